@@ -1,0 +1,44 @@
+# Two commands do everything on a fresh machine:
+#   make demo   -- create .venv, install torch + the package, run the demo on the embedded data set
+#   make test   -- same set-up, then lint, the whole test suite and the notebooks in smoke mode
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_WORKERS ?= 2
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(subst =,_,$(subst /,_,$(TORCH_SPEC)))
+
+.PHONY: install demo test lint format bench clean
+
+install: $(STAMP)
+
+# torch goes first and alone: a bare `torch` requirement with no torch present would pull several GB of CUDA wheels.
+$(STAMP): setup.py setup.cfg
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: install
+	$(BIN)/python -m gpytorch_decoupled demo
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# Notebooks run top to bottom in their fast smoke mode (the CI environment variable).
+test: lint
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --doctest-modules gpytorch_decoupled tests
+	CI=$${CI:-true} $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --nbmake notebooks
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+# make bench NAME=baselines ARGS="--dataset kin40k"
+bench: install
+	$(BIN)/python -m gpytorch_decoupled bench $(NAME) $(ARGS)
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,10 @@
+"""Scalable sparse variational Gaussian processes for GPyTorch.
+
+Decoupled, orthogonally decoupled, dual-parameterized (t-SVGP) and Kalman-recursive sparse variational GPs and
+variational Bayesian kernel selection, as drop-in parts of :class:`gpytorch.models.ApproximateGP`.
+"""
+
+from . import datasets, kernels, linalg, models, optim, variational
+from .version import __version__
+
+__all__ = ["datasets", "kernels", "linalg", "models", "optim", "variational", "__version__"]

@@ -1,0 +1,3 @@
+"""kernels of gpytorch_decoupled (populated by the method families as they land)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""models of gpytorch_decoupled (populated by the method families as they land)."""
+
+__all__: list[str] = []

@@ -1,0 +1,71 @@
+"""Self-check of the contract base: it runs against GPyTorch's own VariationalStrategy.
+
+Every test passes except two that document upstream bugs the base exists to catch (stale eval caches after
+``.to()``, GPyTorch #1619/#1859; ``deepcopy`` failing right after a training step because the training caches hold
+autograd graphs); the same strategy with this package's cache-safe mixin passes them.
+"""
+
+import unittest
+
+import gpytorch
+import torch
+
+from gpytorch_decoupled.variational._cache_safe_mixin import _CacheSafeMixin
+from tests.strategy_contract_test_case import StrategyContractTestCase
+
+
+class TestGPyTorchVariationalStrategyContract(StrategyContractTestCase, unittest.TestCase):
+    @property
+    def batch_shape(self):
+        return torch.Size([])
+
+    @property
+    def distribution_cls(self):
+        return gpytorch.variational.CholeskyVariationalDistribution
+
+    @property
+    def mll_cls(self):
+        return gpytorch.mlls.VariationalELBO
+
+    @property
+    def strategy_cls(self):
+        return gpytorch.variational.VariationalStrategy
+
+    @unittest.expectedFailure
+    def test_deepcopy_and_pickle_right_after_a_training_step(self):
+        super().test_deepcopy_and_pickle_right_after_a_training_step()
+
+    @unittest.expectedFailure
+    def test_to_dtype_after_eval_clears_stale_caches(self):
+        super().test_to_dtype_after_eval_clears_stale_caches()
+
+    @unittest.expectedFailure
+    @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
+    def test_to_device_after_eval(self):
+        super().test_to_device_after_eval()
+
+
+class TestGPyTorchVariationalStrategyPredictiveContract(TestGPyTorchVariationalStrategyContract):
+    @property
+    def mll_cls(self):
+        return gpytorch.mlls.PredictiveLogLikelihood
+
+
+class _CacheSafeVariationalStrategy(_CacheSafeMixin, gpytorch.variational.VariationalStrategy):
+    pass
+
+
+class TestCacheSafeVariationalStrategyContract(TestGPyTorchVariationalStrategyContract):
+    @property
+    def strategy_cls(self):
+        return _CacheSafeVariationalStrategy
+
+    def test_deepcopy_and_pickle_right_after_a_training_step(self):
+        StrategyContractTestCase.test_deepcopy_and_pickle_right_after_a_training_step(self)
+
+    def test_to_dtype_after_eval_clears_stale_caches(self):
+        StrategyContractTestCase.test_to_dtype_after_eval_clears_stale_caches(self)
+
+    @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
+    def test_to_device_after_eval(self):
+        StrategyContractTestCase.test_to_device_after_eval(self)
