@@ -44,7 +44,9 @@ class ContractSVGPModel(gpytorch.models.ApproximateGP):
 
     def __init__(self, inducing_points, strategy_cls, distribution_cls, batch_shape, constant_mean):
         variational_distribution = distribution_cls(inducing_points.size(-2), batch_shape=batch_shape)
-        variational_strategy = strategy_cls(self, inducing_points, variational_distribution, learn_inducing_locations=True)
+        variational_strategy = strategy_cls(
+            self, inducing_points, variational_distribution, learn_inducing_locations=True
+        )
         super().__init__(variational_strategy)
         if constant_mean:
             self.mean_module = gpytorch.means.ConstantMean()

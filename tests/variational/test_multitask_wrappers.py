@@ -24,7 +24,9 @@ class OrthogonallyDecoupledModel(gpytorch.models.ApproximateGP):
         )
         super().__init__(wrap(strategy))
         self.mean_module = gpytorch.means.ZeroMean(batch_shape=batch)
-        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(batch_shape=batch), batch_shape=batch)
+        self.covar_module = gpytorch.kernels.ScaleKernel(
+            gpytorch.kernels.RBFKernel(batch_shape=batch), batch_shape=batch
+        )
 
     def forward(self, x):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))

@@ -1,0 +1,28 @@
+"""Benchmark harness: ``python -m gpytorch_decoupled bench <name>``.
+
+Every comparison trains our methods and GPyTorch's baselines in one process, on the same data, seed and mini-batch
+order, and reports ratios to the baseline of the same run (absolute times are not comparable between machines). Each
+benchmark prints a table and writes ``benchmarks/results/<name>.json`` (and a PNG where a curve says more).
+Nothing in the package imports this module.
+"""
+
+from .baselines_benchmark import BASELINES
+from .benchmark import Benchmark
+from .method_result import MethodResult
+from .methods import METHODS, Method, build_method
+from .run_config import RunConfig
+from .runner import compare, train_and_evaluate
+
+BENCHMARKS: dict[str, Benchmark] = {benchmark.name: benchmark for benchmark in (BASELINES,)}
+
+__all__ = [
+    "BENCHMARKS",
+    "Benchmark",
+    "METHODS",
+    "Method",
+    "MethodResult",
+    "RunConfig",
+    "build_method",
+    "compare",
+    "train_and_evaluate",
+]

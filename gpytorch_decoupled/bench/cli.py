@@ -1,0 +1,30 @@
+"""The ``bench`` command line of ``python -m gpytorch_decoupled bench`` and ``python -m gpytorch_decoupled.bench``."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import BENCHMARKS
+
+
+def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
+    """One sub-command per registered benchmark, each with its own ``--help``."""
+    subcommands = parser.add_subparsers(dest="benchmark", metavar="<name>", required=True)
+    for benchmark in BENCHMARKS.values():
+        sub = subcommands.add_parser(benchmark.name, help=benchmark.description, description=benchmark.description)
+        benchmark.add_arguments(sub)
+        sub.set_defaults(run=benchmark.run)
+
+
+def bench_parser(prog: str = "python -m gpytorch_decoupled.bench") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Run a named benchmark: ours vs GPyTorch baselines in one process; results in benchmarks/results.",
+    )
+    add_bench_subcommands(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = bench_parser().parse_args(argv)
+    return args.run(args)

@@ -1,0 +1,52 @@
+"""Trainable methods for benchmarks and the demo: GPyTorch's baselines and this package's strategies.
+
+:data:`METHODS` maps a short name to a factory ``(train_x, train_y, **options) -> Method``; each method family of the
+package adds its entry here when it lands.
+"""
+
+from collections.abc import Callable
+from functools import partial
+
+from torch import Tensor
+
+from .approximate_gp_method import ApproximateGPMethod
+from .approximate_regression_model import ApproximateRegressionModel
+from .exact_gp_method import ExactGPMethod
+from .exact_regression_model import ExactRegressionModel
+from .gpytorch_orthogonal_method import GPyTorchOrthogonalMethod
+from .inducing_points import initial_inducing_points
+from .method import Method, MethodNotApplicable
+from .svgp_method import SVGPMethod
+
+MethodFactory = Callable[..., Method]
+
+METHODS: dict[str, MethodFactory] = {
+    "svgp": SVGPMethod,
+    "svgp-ngd": partial(SVGPMethod, natural=True),
+    "gpytorch-odvgp": GPyTorchOrthogonalMethod,
+    "sgpr": partial(ExactGPMethod, num_inducing=200),
+    "exact": partial(ExactGPMethod, num_inducing=None),
+}
+
+
+def build_method(name: str, train_x: Tensor, train_y: Tensor, **options) -> Method:
+    """Build the method registered as ``name`` on the training data, with method-specific ``options``."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    return METHODS[name](train_x, train_y, **options)
+
+
+__all__ = [
+    "ApproximateGPMethod",
+    "ApproximateRegressionModel",
+    "ExactGPMethod",
+    "ExactRegressionModel",
+    "GPyTorchOrthogonalMethod",
+    "METHODS",
+    "Method",
+    "MethodFactory",
+    "MethodNotApplicable",
+    "SVGPMethod",
+    "build_method",
+    "initial_inducing_points",
+]

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import gpytorch
+import torch
+from torch import Tensor
+
+from .method import Method
+
+
+class ApproximateGPMethod(Method):
+    r"""
+    A :class:`gpytorch.models.ApproximateGP` trained on mini-batches of the ELBO.
+
+    Every variational method (GPyTorch's baselines and this package's strategies) is one of these: a model, a Gaussian
+    likelihood and a list of optimizers stepped together on :math:`-\mathrm{ELBO}/N`. Its :meth:`objective` is the
+    full-data ELBO per datum,
+
+    .. math::
+
+        \frac{1}{N}\Big(\sum_{n=1}^{N} \mathbb E_{q(f_n)}[\log p(y_n \mid f_n)] - \mathrm{KL}[q \Vert p]\Big),
+
+    accumulated over mini-batches with no graph kept.
+
+    :param label: Name shown in tables and plots.
+    :param sizes: Inducing-set sizes for the table.
+    :param model: The approximate GP.
+    :param likelihood: Its Gaussian likelihood.
+    :param optimizers: Built from the model and likelihood; all of them step after every backward pass.
+    :param train_x: Training inputs (for :meth:`objective`).
+    :param train_y: Training targets (for :meth:`objective`).
+    :param mll_cls: The training objective (default :class:`gpytorch.mlls.VariationalELBO`).
+    :param batch_size: Mini-batch size used to evaluate predictions and the objective.
+    """
+
+    def __init__(
+        self,
+        label: str,
+        sizes: str,
+        model: gpytorch.models.ApproximateGP,
+        likelihood: gpytorch.likelihoods.GaussianLikelihood,
+        optimizers: Sequence[torch.optim.Optimizer],
+        train_x: Tensor,
+        train_y: Tensor,
+        mll_cls: Callable[..., gpytorch.mlls.MarginalLogLikelihood] = gpytorch.mlls.VariationalELBO,
+        batch_size: int = 1024,
+    ):
+        super().__init__(label, sizes, model, likelihood, batch_size)
+        self.optimizers = list(optimizers)
+        self.train_x = train_x
+        self.train_y = train_y
+        self.mll = mll_cls(likelihood, model, num_data=train_y.size(0))
+
+    def step(self, x: Tensor, y: Tensor) -> None:
+        self._set_training(True)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss = -self.mll(self.model(x), y)
+        loss.backward()
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    @torch.no_grad()
+    def objective(self) -> float:
+        # Train mode: the marginals q(f_n) are all the ELBO needs, and no eval cache is built.
+        self._set_training(True)
+        expected_log_lik = sum(
+            self.likelihood.expected_log_prob(y_batch, self.model(x_batch)).sum()
+            for x_batch, y_batch in zip(self.train_x.split(self.batch_size), self.train_y.split(self.batch_size))
+        )
+        kl = self.model.variational_strategy.kl_divergence().sum()
+        return ((expected_log_lik - kl) / self.train_y.size(0)).item()
