@@ -1,0 +1,43 @@
+"""Dense float64 reference computations ("oracles") on a finite input domain.
+
+Every method of ``gpytorch_decoupled`` is tested against these. They are written from the formulas with plain torch
+float64 linear algebra, independently of GPyTorch's variational code and marginal log likelihoods, take dense kernel
+matrices (so any kernel can be used), add no jitter unless an argument asks for it, and refuse float32 input.
+
+Modules: :mod:`.kernels` (dense SE-ARD), :mod:`.gaussian` (KL, log density, expected log-likelihood),
+:mod:`.exact_gp` (exact posterior and log marginal likelihood), :mod:`.sparse_gp` (Titsias optimum, collapsed bound,
+SVGP ELBO / predictive, whitening), :mod:`.process_kl` (KL between GPs on a finite grid).
+"""
+
+from .exact_gp import exact_log_marginal_likelihood, exact_posterior
+from .gaussian import expected_gaussian_loglik, gaussian_kl, gaussian_logpdf
+from .kernels import rbf
+from .process_kl import process_kl
+from .sparse_gp import (
+    collapsed_bound,
+    svgp_elbo,
+    svgp_kl,
+    svgp_marginals,
+    svgp_predictive,
+    titsias_optimal_qu,
+    unwhiten_qu,
+    whiten_qu,
+)
+
+__all__ = [
+    "collapsed_bound",
+    "exact_log_marginal_likelihood",
+    "exact_posterior",
+    "expected_gaussian_loglik",
+    "gaussian_kl",
+    "gaussian_logpdf",
+    "process_kl",
+    "rbf",
+    "svgp_elbo",
+    "svgp_kl",
+    "svgp_marginals",
+    "svgp_predictive",
+    "titsias_optimal_qu",
+    "unwhiten_qu",
+    "whiten_qu",
+]

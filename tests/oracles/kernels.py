@@ -1,0 +1,35 @@
+"""Dense reference kernels, written from the formula (no GPyTorch)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._linalg import require_float64
+
+__all__ = ["rbf"]
+
+
+def rbf(X1: Tensor, X2: Tensor, lengthscale: float | Tensor, outputscale: float | Tensor = 1.0) -> Tensor:
+    r"""Squared-exponential ARD kernel matrix.
+
+    .. math::
+        k(\mathbf x,\mathbf x')=s^2\exp\Big(-\tfrac12\sum_{d=1}^{D}\frac{(x_d-x'_d)^2}{\ell_d^2}\Big)
+
+    :param X1: ``(..., N1, D)`` float64 inputs.
+    :param X2: ``(..., N2, D)`` float64 inputs.
+    :param lengthscale: :math:`\ell`, a number or a float64 tensor of shape ``(D,)`` (ARD).
+    :param outputscale: :math:`s^2`, a number or a 0-d float64 tensor.
+    :return: ``(..., N1, N2)``.
+
+    Differences are formed explicitly rather than through :math:`\lVert x\rVert^2-2x^\top x'+\lVert x'\rVert^2`, which
+    cancels catastrophically for nearby points and would make :math:`k(x,x)` differ from :math:`s^2`.
+    """
+    require_float64(
+        X1=X1,
+        X2=X2,
+        lengthscale=lengthscale if isinstance(lengthscale, Tensor) else None,
+        outputscale=outputscale if isinstance(outputscale, Tensor) else None,
+    )
+    diff = (X1.unsqueeze(-2) - X2.unsqueeze(-3)) / lengthscale
+    return outputscale * torch.exp(-0.5 * diff.square().sum(-1))
