@@ -47,8 +47,8 @@ def test_compare_measures_every_method_on_the_same_data():
         assert result.curve[0]["seconds"] == 0.0
         assert all(b["seconds"] > a["seconds"] for a, b in zip(result.curve, result.curve[1:]))
         assert result.seconds_per_iteration > 0 and math.isfinite(result.objective)
-        # Thirty steps must already improve on the initial model.
-        assert result.rmse < result.curve[0]["rmse"]
+        # Thirty steps must already improve the test density clearly (each method drops it by 0.6 or more here).
+        assert result.nll < result.curve[0]["nll"] - 0.3
     assert "100" in results[-1].skipped
 
 

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from gpytorch.utils.warnings import NumericalWarning
+from linear_operator.utils.errors import NotPSDError
+from torch import Tensor
+
+# Relative jitter (times the mean absolute diagonal) of the first escalation step. A float32 matrix that is PSD in
+# exact arithmetic can carry negative eigenvalues of about 1e-7 times its scale from rounding alone, so float32 (and
+# anything coarser) starts one decade above that; float64 inputs only need to absorb float64 rounding.
+_RELATIVE_JITTER = {torch.float64: 1e-8}
+_RELATIVE_JITTER_DEFAULT = 1e-6
+
+# Names that have already produced a jitter warning in this process.
+_WARNED_NAMES: set[str] = set()
+
+
+def reset_jitter_warnings() -> None:
+    r"""
+    Forget which names :func:`jittered_cholesky` has already warned about, so that the next escalation for any name
+    warns again. Meant for tests.
+
+    Example:
+        >>> reset_jitter_warnings()
+    """
+    _WARNED_NAMES.clear()
+
+
+def jittered_cholesky(
+    A: Tensor,  # shape: (*batch, n, n)
+    *,
+    jitter: float | None = None,
+    max_tries: int = 6,
+    name: str = "matrix",
+) -> Tensor:  # shape: (*batch, n, n)
+    r"""
+    Lower Cholesky factor :math:`\mathbf L` of a (batch of) symmetric PSD matrices, computed in float64 with
+    escalating diagonal jitter, and returned in the dtype of :attr:`A`.
+
+    The first attempt factorizes :math:`\mathbf A + \epsilon_0 \mathbf I`, where :math:`\epsilon_0` is :attr:`jitter`
+    (zero when omitted). Every batch member whose factorization fails is retried with
+
+    .. math::
+
+        \epsilon_k = \epsilon_1 10^{k - 1}, \qquad k = 1, \ldots, \texttt{max\_tries},
+        \qquad
+        \epsilon_1 = \begin{cases}
+            10 \, \epsilon_0 & \text{if } \texttt{jitter} \text{ is given,} \\
+            c \, \tfrac{1}{n} \sum_i \lvert A_{ii} \rvert & \text{otherwise,}
+        \end{cases}
+
+    with :math:`c = 10^{-8}` for float64 inputs and :math:`c = 10^{-6}` for float32 (and lower precision) inputs:
+    a float32 matrix that is PSD in exact arithmetic can have eigenvalues of about :math:`-10^{-7}` times its scale
+    from rounding alone. Members that factorize on an earlier attempt keep their smaller jitter; members that never
+    failed keep the first attempt's jitter (none by default), so their factor is exactly the first attempt's.
+
+    When jitter had to be escalated, a :class:`~gpytorch.utils.warnings.NumericalWarning` is emitted once per process
+    for each :attr:`name` (see :func:`reset_jitter_warnings`).
+
+    Gradients flow through the float64 factorization back to :attr:`A`. Only the lower triangle of :attr:`A` is read,
+    so, as for :func:`torch.linalg.cholesky`, the gradient is that of a symmetric input.
+
+    :param A: Symmetric PSD matrix or batch of matrices, on any device, in a floating dtype.
+    :param jitter: Diagonal jitter added to every batch member before the first attempt. When omitted, the first
+        attempt adds nothing and escalation starts from a relative, dtype-aware value.
+    :param max_tries: Number of escalation attempts after the first one.
+    :param name: Name of the matrix used in the warning and error messages (e.g. ``"K_beta"``).
+    :return: Lower-triangular factor with positive diagonal, same shape, dtype and device as :attr:`A`.
+    :raises ValueError: If :attr:`A` is not a (batch of) square matrices, or contains NaN or inf.
+    :raises ~linear_operator.utils.errors.NotPSDError: If some batch member still fails after :attr:`max_tries`
+        escalations.
+
+    Example:
+        >>> x = torch.linspace(0, 1, 20).unsqueeze(-1)
+        >>> K = torch.exp(-0.5 * torch.cdist(x, x).pow(2))  # indefinite after rounding to float32
+        >>> L = jittered_cholesky(K, name="K_beta")  # warns once: jitter 1e-6 was added
+        >>> L.shape, L.dtype
+        (torch.Size([20, 20]), torch.float32)
+    """
+    if A.dim() < 2 or A.shape[-1] != A.shape[-2]:
+        raise ValueError(f"{name} must be a (batch of) square matrices, got shape {tuple(A.shape)}.")
+    if not A.dtype.is_floating_point:
+        raise ValueError(f"{name} must have a floating dtype, got {A.dtype}.")
+    if not torch.isfinite(A).all():
+        raise ValueError(f"{name} (shape {tuple(A.shape)}, dtype {A.dtype}) contains NaN or inf.")
+
+    A64 = A.to(torch.float64)
+    member_jitter = torch.full(A.shape[:-2], jitter or 0.0, dtype=A64.dtype, device=A64.device)
+    L, info = torch.linalg.cholesky_ex(_add_to_diagonal(A64, member_jitter) if jitter else A64)
+    if not info.any():
+        return L.to(A.dtype)
+
+    if jitter:
+        first_step = 10.0 * member_jitter
+    else:
+        scale = A64.detach().diagonal(dim1=-2, dim2=-1).abs().mean(-1)
+        # An all-zero diagonal gives no scale to be relative to; fall back to an absolute one.
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        first_step = _RELATIVE_JITTER.get(A.dtype, _RELATIVE_JITTER_DEFAULT) * scale
+
+    # Every attempt refactorizes the whole batch with a per-member jitter (the first attempt's for members that never
+    # failed), so the returned factor comes from a single differentiable factorization of a positive definite matrix.
+    escalated = torch.zeros_like(info, dtype=torch.bool)
+    for k in range(max_tries):
+        failed = info > 0
+        member_jitter = torch.where(failed, first_step * 10.0**k, member_jitter)
+        escalated = escalated | failed
+        L, info = torch.linalg.cholesky_ex(_add_to_diagonal(A64, member_jitter))
+        if not info.any():
+            break
+    else:
+        raise NotPSDError(
+            f"{name} (shape {tuple(A.shape)}, dtype {A.dtype}) is not positive definite: the float64 Cholesky "
+            f"factorization failed for {int((info > 0).sum())} batch member(s) even with jitter up to "
+            f"{member_jitter.max().item():.1e} on the diagonal."
+        )
+
+    if name not in _WARNED_NAMES:
+        _WARNED_NAMES.add(name)
+        warnings.warn(
+            f"{name} (shape {tuple(A.shape)}, dtype {A.dtype}) was not positive definite; used jitter up to "
+            f"{member_jitter.max().item():.1e} on the diagonal of {int(escalated.sum())} of {info.numel()} batch "
+            f"member(s). Further jitter warnings for {name!r} are suppressed in this process.",
+            NumericalWarning,
+            stacklevel=2,
+        )
+    return L.to(A.dtype)
+
+
+def _add_to_diagonal(A: Tensor, values: Tensor) -> Tensor:
+    # In place on a copy: cheaper than adding a materialized diagonal matrix, and autograd still sees A.
+    A = A.clone()
+    A.diagonal(dim1=-2, dim2=-1).add_(values.unsqueeze(-1))
+    return A
