@@ -29,17 +29,14 @@ TABLE_COLUMNS = (
 
 
 def format_table(results: Sequence[MethodResult], columns=TABLE_COLUMNS) -> str:
-    """A plain-text table, one row per method (skipped methods show their reason)."""
+    """A plain-text table, one row per method that ran; skipped methods are listed below it with their reason."""
     header = [title for title, _, _ in columns]
-    rows = []
-    for result in results:
-        if result.skipped:
-            rows.append([result.label, f"skipped: {result.skipped}"] + [""] * (len(columns) - 2))
-            continue
-        rows.append([fmt.format(getattr(result, attribute)) for _, attribute, fmt in columns])
+    ran = [result for result in results if not result.skipped]
+    rows = [[fmt.format(getattr(result, attribute)) for _, attribute, fmt in columns] for result in ran]
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in [header, *rows]]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in [header, *rows]]
     lines.insert(1, "  ".join("-" * width for width in widths))
+    lines += [f"skipped {result.label}: {result.skipped}" for result in results if result.skipped]
     return "\n".join(lines)
 
 
