@@ -19,6 +19,8 @@ DEMO_METHODS: list[tuple[str, dict]] = [
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser, iterations=1500, eval_every=100)
+    # Full-batch baselines (SGPR) cost far more per iteration; the budget keeps the whole demo near a minute.
+    parser.set_defaults(time_budget=25.0)
     parser.add_argument("--dataset", default="elevators", help="data set (elevators is embedded in the package)")
     parser.add_argument("--output-dir", default="demo_output", help="where the table (JSON) and the plot go")
     parser.add_argument("--smoke", action="store_true", help="a few iterations only, to check that everything runs")

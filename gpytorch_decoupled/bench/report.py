@@ -28,6 +28,9 @@ TABLE_COLUMNS = (
 )
 
 
+TABLE_UNITS_NOTE = "(test RMSE and NLL in the target's original units; ELBO / N of the standardized targets)"
+
+
 def format_table(results: Sequence[MethodResult], columns=TABLE_COLUMNS) -> str:
     """A plain-text table, one row per method that ran; skipped methods are listed below it with their reason."""
     header = [title for title, _, _ in columns]
@@ -37,6 +40,7 @@ def format_table(results: Sequence[MethodResult], columns=TABLE_COLUMNS) -> str:
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in [header, *rows]]
     lines.insert(1, "  ".join("-" * width for width in widths))
     lines += [f"skipped {result.label}: {result.skipped}" for result in results if result.skipped]
+    lines.append(TABLE_UNITS_NOTE)
     return "\n".join(lines)
 
 

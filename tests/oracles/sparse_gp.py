@@ -90,6 +90,13 @@ def collapsed_bound(
     return gaussian_logpdf(y, mean, cov) - trace / (2.0 * noise)
 
 
+def _projection(K_uu: Tensor, K_ux: Tensor) -> tuple[Tensor, Tensor]:
+    """``V = L_uu^{-1} K_ux`` and ``A = K_uu^{-1} K_ux``, the two forms every sparse prediction needs."""
+    L = cholesky(K_uu, "K_uu")
+    V = tril_solve(L, K_ux)
+    return V, torch.linalg.solve_triangular(L.mT, V, upper=True)
+
+
 def svgp_marginals(
     K_uu: Tensor, K_uf: Tensor, k_ff_diag: Tensor, m: Tensor, S: Tensor, prior_mean_f: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -105,9 +112,7 @@ def svgp_marginals(
     :return: ``(mean (N,), var (N,))``.
     """
     require_float64(K_uu=K_uu, K_uf=K_uf, k_ff_diag=k_ff_diag, m=m, S=S, prior_mean_f=prior_mean_f)
-    L = cholesky(K_uu, "K_uu")
-    V = tril_solve(L, K_uf)
-    A = torch.linalg.solve_triangular(L.mT, V, upper=True)
+    V, A = _projection(K_uu, K_uf)
     mean = A.mT @ m
     if prior_mean_f is not None:
         mean = mean + prior_mean_f
@@ -130,9 +135,7 @@ def svgp_predictive(
     :return: ``(mean (S,), covariance (S, S))``.
     """
     require_float64(K_uu=K_uu, K_us=K_us, K_ss=K_ss, m=m, S=S, prior_mean_s=prior_mean_s)
-    L = cholesky(K_uu, "K_uu")
-    V = tril_solve(L, K_us)
-    A = torch.linalg.solve_triangular(L.mT, V, upper=True)
+    V, A = _projection(K_uu, K_us)
     mean = A.mT @ m
     if prior_mean_s is not None:
         mean = mean + prior_mean_s
