@@ -33,6 +33,7 @@ import pickle
 import unittest
 
 import gpytorch
+import pytest
 import torch
 from gpytorch.test.variational_test_case import VariationalTestCase
 
@@ -177,6 +178,7 @@ class StrategyContractTestCase(VariationalTestCase):
         self.assertEqual(converted[0].dtype, torch.float64)
         self._assert_same_prediction(converted, self._predict(reference, test_x), rtol=1e-10, atol=1e-12)
 
+    @pytest.mark.cuda
     @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
     def test_to_device_after_eval(self):
         model, _ = self._fitted_model()

@@ -220,7 +220,6 @@ class TestSharedData:
             assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
 
     @pytest.mark.cuda
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
     def test_cuda(self):
         split = datasets.load("yacht", data_dir=SHARED_DATA, device="cuda")
         assert all(tensor.is_cuda for tensor in (*split, split.x_mean, split.y_std))

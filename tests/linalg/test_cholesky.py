@@ -180,7 +180,6 @@ class TestJitteredCholesky(unittest.TestCase):
         torch.testing.assert_close(L @ L.mT, A, rtol=1e-12, atol=1e-12 * 10.0**log_scale)
 
     @pytest.mark.cuda
-    @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA")
     def test_cuda(self):
         batch = torch.stack([_random_spd(30), _rank_deficient_kernel()]).cuda().requires_grad_(True)
         with warnings.catch_warnings():

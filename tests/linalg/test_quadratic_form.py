@@ -281,7 +281,6 @@ class TestValidation(unittest.TestCase):
 
 
 @pytest.mark.cuda
-@unittest.skipUnless(torch.cuda.is_available(), "needs CUDA")
 class TestCuda(unittest.TestCase):
     def test_cuda(self):
         gamma, v_gamma, beta, v_beta = (t.cuda() for t in _data(40, 7, 2))

@@ -8,6 +8,7 @@ autograd graphs); the same strategy with this package's cache-safe mixin passes 
 import unittest
 
 import gpytorch
+import pytest
 import torch
 
 from gpytorch_decoupled.variational._cache_safe_mixin import _CacheSafeMixin
@@ -40,6 +41,7 @@ class TestGPyTorchVariationalStrategyContract(StrategyContractTestCase, unittest
         super().test_to_dtype_after_eval_clears_stale_caches()
 
     @unittest.expectedFailure
+    @pytest.mark.cuda
     @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
     def test_to_device_after_eval(self):
         super().test_to_device_after_eval()
@@ -66,6 +68,7 @@ class TestCacheSafeVariationalStrategyContract(TestGPyTorchVariationalStrategyCo
     def test_to_dtype_after_eval_clears_stale_caches(self):
         StrategyContractTestCase.test_to_dtype_after_eval_clears_stale_caches(self)
 
+    @pytest.mark.cuda
     @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
     def test_to_device_after_eval(self):
         StrategyContractTestCase.test_to_device_after_eval(self)
