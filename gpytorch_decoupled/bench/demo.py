@@ -14,6 +14,7 @@ DEMO_METHODS: list[tuple[str, dict]] = [
     ("svgp", {"num_inducing": 200}),
     ("svgp-ngd", {"num_inducing": 200}),
     ("sgpr", {"num_inducing": 200}),
+    ("orthnat", {"num_inducing": 200, "num_mean_inducing": 1000}),
 ]
 
 

@@ -1,3 +1,5 @@
-"""optim of gpytorch_decoupled (populated by the method families as they land)."""
+"""Natural-gradient and closed-form update steps, in the style of :mod:`torch.optim` and :mod:`gpytorch.optim`."""
 
-__all__: list[str] = []
+from .orthogonal_mean_natural_gradient import OrthogonalMeanNaturalGradient
+
+__all__ = ["OrthogonalMeanNaturalGradient"]

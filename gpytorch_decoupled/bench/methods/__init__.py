@@ -16,6 +16,7 @@ from .exact_regression_model import ExactRegressionModel
 from .gpytorch_orthogonal_method import GPyTorchOrthogonalMethod
 from .inducing_points import initial_inducing_points
 from .method import Method, MethodNotApplicable
+from .orthogonal_method import OrthogonalMethod
 from .svgp_method import SVGPMethod
 
 MethodFactory = Callable[..., Method]
@@ -26,6 +27,8 @@ METHODS: dict[str, MethodFactory] = {
     "gpytorch-odvgp": GPyTorchOrthogonalMethod,
     "sgpr": partial(ExactGPMethod, num_inducing=200),
     "exact": partial(ExactGPMethod, num_inducing=None),
+    "orthnat": partial(OrthogonalMethod, natural=True),
+    "orth": partial(OrthogonalMethod, natural=False),
 }
 
 
@@ -46,6 +49,7 @@ __all__ = [
     "Method",
     "MethodFactory",
     "MethodNotApplicable",
+    "OrthogonalMethod",
     "SVGPMethod",
     "build_method",
     "initial_inducing_points",

@@ -69,5 +69,8 @@ class ApproximateGPMethod(Method):
             self.likelihood.expected_log_prob(y_batch, self.model(x_batch)).sum()
             for x_batch, y_batch in zip(self.train_x.split(self.batch_size), self.train_y.split(self.batch_size))
         )
-        kl = self.model.variational_strategy.kl_divergence().sum()
-        return ((expected_log_lik - kl) / self.train_y.size(0)).item()
+        return ((expected_log_lik - self._exact_kl()) / self.train_y.size(0)).item()
+
+    def _exact_kl(self) -> Tensor:
+        """The KL term of :meth:`objective` (methods with a stochastic training KL override this)."""
+        return self.model.variational_strategy.kl_divergence().sum()
