@@ -3,7 +3,11 @@ from __future__ import annotations
 import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.models import ApproximateGP
-from gpytorch.utils.memoize import cached
+from gpytorch.utils.memoize import (
+    _add_to_cache_ignore_args,
+    _get_from_cache_ignore_args,
+    _is_in_cache_ignore_args,
+)
 from gpytorch.variational import VariationalStrategy
 from gpytorch.variational._variational_distribution import _VariationalDistribution
 from linear_operator.operators import LinearOperator
@@ -163,7 +167,6 @@ class OrthogonallyDecoupledVariationalStrategy(_CacheSafeMixin, VariationalStrat
         covariance = self.model.forward(beta).lazy_covariance_matrix.add_jitter(self.jitter_val)
         return self._cholesky_factor(covariance)
 
-    @cached(name="residual_coordinates")
     def residual_coordinates(self) -> Tensor:
         r"""
         :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma`, so that the mean of the
@@ -171,10 +174,51 @@ class OrthogonallyDecoupledVariationalStrategy(_CacheSafeMixin, VariationalStrat
         at :math:`\beta`. Cached in eval mode (where predictions then need only :math:`\mathbf k_{\mathbf x\gamma}`) and
         within one training step (shared by the forward pass and the KL).
         """
+        if not _is_in_cache_ignore_args(self, "residual_coordinates"):
+            beta_gamma = self._cross_covariance(self.inducing_points, self.mean_inducing_points)
+            self._cache_residual_coordinates(beta_gamma)
+        return _get_from_cache_ignore_args(self, "residual_coordinates")
+
+    def _cache_residual_coordinates(self, beta_gamma: Tensor) -> Tensor:
         chol = self._beta_cholesky()
-        beta_gamma = self._cross_covariance(self.inducing_points, self.mean_inducing_points)
         projected = (beta_gamma @ self.mean_coefficients.unsqueeze(-1)).type(chol.dtype)
-        return chol.solve(projected).squeeze(-1).type(beta_gamma.dtype)
+        coordinates = chol.solve(projected).squeeze(-1).type(beta_gamma.dtype)
+        return _add_to_cache_ignore_args(self, "residual_coordinates", coordinates)
+
+    def _sampled_rows(self) -> Tensor | None:
+        r"""Rows of :math:`\mathbf K_\gamma` for this training step's KL estimate, or None when the KL is exact."""
+        num_gamma = self.mean_inducing_points.size(-2)
+        if not self.training or self.num_kl_columns is None or self.num_kl_columns >= num_gamma:
+            return None
+        return torch.randperm(num_gamma, device=self.mean_inducing_points.device)[: self.num_kl_columns]
+
+    def _data_gamma_covariance(self, x: Tensor, **kwargs) -> Tensor:
+        r"""
+        :math:`\mathbf K_{\mathbf x\gamma}`. When this step has not yet computed the residual coordinates (training,
+        or the first eval call), the blocks of :math:`\beta` (projection) and, in training, of the sampled rows of
+        :math:`\mathbf K_\gamma` (KL estimate, kept for :meth:`kl_divergence`) come out of the same kernel evaluation.
+        """
+        gamma = self.mean_inducing_points
+        if _is_in_cache_ignore_args(self, "residual_coordinates"):
+            return self._cross_covariance(x, gamma, **kwargs)
+        beta = self.inducing_points
+        sampled = self._sampled_rows()
+        rows = [beta] if sampled is None else [beta, gamma[sampled].expand(*beta.shape[:-2], -1, -1)]
+        num_model_rows = sum(row.size(-2) for row in rows)
+        if x.shape[:-2] == beta.shape[:-2]:
+            block = self._cross_covariance(torch.cat([*rows, x], dim=-2), gamma, **kwargs)
+            model_block, data_gamma = block[..., :num_model_rows, :], block[..., num_model_rows:, :]
+        else:  # a data batch the model does not have: keep the model's quantities free of it
+            model_block = self._cross_covariance(torch.cat(rows, dim=-2), gamma, **kwargs)
+            data_gamma = self._cross_covariance(x, gamma, **kwargs)
+        self._cache_residual_coordinates(model_block[..., : beta.size(-2), :])
+        if sampled is not None:
+            sampled_block = model_block[..., beta.size(-2) :, :]
+            estimate = column_sampled_quadratic_form(
+                lambda *_: sampled_block, gamma, self.mean_coefficients, indices=sampled, block_size=sampled.numel()
+            )
+            _add_to_cache_ignore_args(self, "sampled_mean_quadratic", estimate)
+        return data_gamma
 
     # ------------------------------------------------------------------ GPyTorch interface
     def forward(
@@ -188,9 +232,9 @@ class OrthogonallyDecoupledVariationalStrategy(_CacheSafeMixin, VariationalStrat
     ) -> MultivariateNormal:
         # Shifting the whitened mean by c turns the SVGP mean k_xb L^-T m_w into k_xb K_b^-1 (m_beta - K_bg a_g): the
         # projection term of the orthogonal basis costs no extra kernel evaluation against beta.
+        data_gamma = self._data_gamma_covariance(x, **kwargs)
         shifted_values = inducing_values - self.residual_coordinates()
         svgp = super().forward(x, inducing_points, shifted_values, variational_inducing_covar, diag=diag, **kwargs)
-        data_gamma = self._cross_covariance(x, self.mean_inducing_points, **kwargs)
         mean = svgp.mean + (data_gamma @ self.mean_coefficients.unsqueeze(-1)).squeeze(-1)
         return MultivariateNormal(mean, svgp.lazy_covariance_matrix)
 
@@ -211,21 +255,20 @@ class OrthogonallyDecoupledVariationalStrategy(_CacheSafeMixin, VariationalStrat
     def mean_quadratic_form(self, indices: Tensor | None = None) -> Tensor:
         r"""
         :math:`\mathbf a_\gamma^\top\mathbf K_{\gamma\perp\beta}\mathbf a_\gamma`: exact in eval mode or with
-        ``num_kl_columns=None``, otherwise the unbiased column-sampled estimate (or the estimate for an explicit sample
-        ``indices`` of rows of :math:`\mathbf K_\gamma`).
+        ``num_kl_columns=None``; in training, the unbiased column-sampled estimate of this step (drawn in the forward
+        pass, or here if no forward pass came first); for explicit ``indices``, the estimate for that sample of rows
+        of :math:`\mathbf K_\gamma`.
         """
-        gamma = self.mean_inducing_points
-        num_columns = self.num_kl_columns if self.training else None
-        if indices is None and num_columns is not None and num_columns >= gamma.size(-2):
-            num_columns = None
-        quadratic = column_sampled_quadratic_form(
-            self._cross_covariance,
-            gamma,
-            self.mean_coefficients,
-            num_columns=num_columns,
-            indices=indices,
-            block_size=self.kl_block_size,
-        )
+        if indices is None and _is_in_cache_ignore_args(self, "sampled_mean_quadratic"):
+            quadratic = _get_from_cache_ignore_args(self, "sampled_mean_quadratic")
+        else:
+            quadratic = column_sampled_quadratic_form(
+                self._cross_covariance,
+                self.mean_inducing_points,
+                self.mean_coefficients,
+                indices=self._sampled_rows() if indices is None else indices,
+                block_size=self.kl_block_size,
+            )
         return quadratic - self.residual_coordinates().pow(2).sum(-1)
 
     def kl_divergence(self) -> Tensor:
