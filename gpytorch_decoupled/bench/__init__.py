@@ -10,11 +10,14 @@ from .baselines_benchmark import BASELINES
 from .benchmark import Benchmark
 from .method_result import MethodResult
 from .methods import METHODS, Method, build_method
+from .orthogonal_accuracy_benchmark import ORTHOGONAL_ACCURACY
 from .orthogonal_speed_benchmark import ORTHOGONAL_SPEED
 from .run_config import RunConfig
 from .runner import compare, train_and_evaluate
 
-BENCHMARKS: dict[str, Benchmark] = {benchmark.name: benchmark for benchmark in (BASELINES, ORTHOGONAL_SPEED)}
+BENCHMARKS: dict[str, Benchmark] = {
+    benchmark.name: benchmark for benchmark in (BASELINES, ORTHOGONAL_SPEED, ORTHOGONAL_ACCURACY)
+}
 
 __all__ = [
     "BENCHMARKS",

@@ -209,7 +209,9 @@ def _run(args: argparse.Namespace) -> dict:
     print("\nratios (see ratio_notes in the JSON; peak_memory_gb_at_1e5 is absolute):")
     for goal_name, value in ratios.items():
         bound = GOALS.get(goal_name)
-        verdict = "" if bound is None else f"  goal ≤ {bound:g}: {'met' if payload['goal_met'][goal_name] else 'MISSED'}"
+        verdict = (
+            "" if bound is None else f"  goal ≤ {bound:g}: {'met' if payload['goal_met'][goal_name] else 'MISSED'}"
+        )
         print(f"  {goal_name:36s} {value:8.3f}{verdict}")
     return payload
 

@@ -175,14 +175,16 @@ class OrthogonallyDecoupledVariationalStrategy(_CacheSafeMixin, VariationalStrat
         within one training step (shared by the forward pass and the KL).
         """
         if not _is_in_cache_ignore_args(self, "residual_coordinates"):
-            beta_gamma = self._cross_covariance(self.inducing_points, self.mean_inducing_points)
-            self._cache_residual_coordinates(beta_gamma)
+            self._cache_residual_coordinates(self._mean_basis_values(self.inducing_points))
         return _get_from_cache_ignore_args(self, "residual_coordinates")
 
-    def _cache_residual_coordinates(self, beta_gamma: Tensor) -> Tensor:
+    def _mean_basis_values(self, x: Tensor, **kwargs) -> Tensor:
+        r""":math:`\mathbf K_{\mathbf x\gamma}\mathbf a_\gamma`, the mean basis function at ``x``."""
+        return self._cross_covariance(x, self.mean_inducing_points, **kwargs) @ self.mean_coefficients.unsqueeze(-1)
+
+    def _cache_residual_coordinates(self, beta_values: Tensor) -> Tensor:
         chol = self._beta_cholesky()
-        projected = (beta_gamma @ self.mean_coefficients.unsqueeze(-1)).type(chol.dtype)
-        coordinates = chol.solve(projected).squeeze(-1).type(beta_gamma.dtype)
+        coordinates = chol.solve(beta_values.type(chol.dtype)).squeeze(-1).type(beta_values.dtype)
         return _add_to_cache_ignore_args(self, "residual_coordinates", coordinates)
 
     def _sampled_rows(self) -> Tensor | None:
@@ -192,33 +194,34 @@ class OrthogonallyDecoupledVariationalStrategy(_CacheSafeMixin, VariationalStrat
             return None
         return torch.randperm(num_gamma, device=self.mean_inducing_points.device)[: self.num_kl_columns]
 
-    def _data_gamma_covariance(self, x: Tensor, **kwargs) -> Tensor:
+    def _data_mean_basis_values(self, x: Tensor, **kwargs) -> Tensor:
         r"""
-        :math:`\mathbf K_{\mathbf x\gamma}`. When this step has not yet computed the residual coordinates (training,
-        or the first eval call), the blocks of :math:`\beta` (projection) and, in training, of the sampled rows of
-        :math:`\mathbf K_\gamma` (KL estimate, kept for :meth:`kl_divergence`) come out of the same kernel evaluation.
+        :math:`\mathbf K_{\mathbf x\gamma}\mathbf a_\gamma`. Everything the mean basis contributes to a training step
+        is this same product at other rows: at :math:`\beta` (the projection :math:`\mathbf c`) and at the sampled rows
+        :math:`C` of :math:`\mathbf K_\gamma` (the KL estimate of spec §0.1,
+        :math:`\tfrac{M_\gamma}{b}\mathbf a_C^\top[\mathbf K_{C\gamma}\mathbf a_\gamma]`). When the step has not
+        computed them yet (training, or the first eval call), all rows go through one kernel evaluation and one
+        product, and the model-level results are cached for :meth:`kl_divergence` and later eval calls.
         """
-        gamma = self.mean_inducing_points
         if _is_in_cache_ignore_args(self, "residual_coordinates"):
-            return self._cross_covariance(x, gamma, **kwargs)
-        beta = self.inducing_points
+            return self._mean_basis_values(x, **kwargs).squeeze(-1)
+        gamma, beta = self.mean_inducing_points, self.inducing_points
         sampled = self._sampled_rows()
         rows = [beta] if sampled is None else [beta, gamma[sampled].expand(*beta.shape[:-2], -1, -1)]
-        num_model_rows = sum(row.size(-2) for row in rows)
+        sizes = [row.size(-2) for row in rows]
         if x.shape[:-2] == beta.shape[:-2]:
-            block = self._cross_covariance(torch.cat([*rows, x], dim=-2), gamma, **kwargs)
-            model_block, data_gamma = block[..., :num_model_rows, :], block[..., num_model_rows:, :]
-        else:  # a data batch the model does not have: keep the model's quantities free of it
-            model_block = self._cross_covariance(torch.cat(rows, dim=-2), gamma, **kwargs)
-            data_gamma = self._cross_covariance(x, gamma, **kwargs)
-        self._cache_residual_coordinates(model_block[..., : beta.size(-2), :])
-        if sampled is not None:
-            sampled_block = model_block[..., beta.size(-2) :, :]
-            estimate = column_sampled_quadratic_form(
-                lambda *_: sampled_block, gamma, self.mean_coefficients, indices=sampled, block_size=sampled.numel()
+            *model_values, data_values = self._mean_basis_values(torch.cat([*rows, x], dim=-2), **kwargs).split(
+                [*sizes, x.size(-2)], dim=-2
             )
+        else:  # a data batch the model does not have: keep the model's quantities free of it
+            model_values = self._mean_basis_values(torch.cat(rows, dim=-2), **kwargs).split(sizes, dim=-2)
+            data_values = self._mean_basis_values(x, **kwargs)
+        self._cache_residual_coordinates(model_values[0])
+        if sampled is not None:
+            coefficients = self.mean_coefficients[..., sampled]
+            estimate = (gamma.size(-2) / sampled.numel()) * (coefficients * model_values[1].squeeze(-1)).sum(-1)
             _add_to_cache_ignore_args(self, "sampled_mean_quadratic", estimate)
-        return data_gamma
+        return data_values.squeeze(-1)
 
     # ------------------------------------------------------------------ GPyTorch interface
     def forward(
@@ -232,10 +235,10 @@ class OrthogonallyDecoupledVariationalStrategy(_CacheSafeMixin, VariationalStrat
     ) -> MultivariateNormal:
         # Shifting the whitened mean by c turns the SVGP mean k_xb L^-T m_w into k_xb K_b^-1 (m_beta - K_bg a_g): the
         # projection term of the orthogonal basis costs no extra kernel evaluation against beta.
-        data_gamma = self._data_gamma_covariance(x, **kwargs)
+        data_values = self._data_mean_basis_values(x, **kwargs)
         shifted_values = inducing_values - self.residual_coordinates()
         svgp = super().forward(x, inducing_points, shifted_values, variational_inducing_covar, diag=diag, **kwargs)
-        mean = svgp.mean + (data_gamma @ self.mean_coefficients.unsqueeze(-1)).squeeze(-1)
+        mean = svgp.mean + data_values
         return MultivariateNormal(mean, svgp.lazy_covariance_matrix)
 
     def residual_variances(self) -> Tensor:
