@@ -6,12 +6,22 @@ matrices (so any kernel can be used), add no jitter unless an argument asks for 
 
 Modules: :mod:`.kernels` (dense SE-ARD), :mod:`.gaussian` (KL, log density, expected log-likelihood),
 :mod:`.exact_gp` (exact posterior and log marginal likelihood), :mod:`.sparse_gp` (Titsias optimum, collapsed bound,
-SVGP ELBO / predictive, whitening), :mod:`.process_kl` (KL between GPs on a finite grid).
+SVGP ELBO / predictive, whitening), :mod:`.process_kl` (KL between GPs on a finite grid), :mod:`.orthogonal`
+(orthogonally decoupled VGP: predictive, KL, ELBO, closed-form optimum and its value).
 """
 
 from .exact_gp import exact_log_marginal_likelihood, exact_posterior
 from .gaussian import expected_gaussian_loglik, gaussian_kl, gaussian_logpdf
 from .kernels import rbf
+from .orthogonal import (
+    odvgp_conditional_optimum,
+    odvgp_elbo,
+    odvgp_kl,
+    odvgp_optimal_elbo,
+    odvgp_optimum,
+    odvgp_predictive,
+    odvgp_residual_features,
+)
 from .process_kl import process_kl
 from .sparse_gp import (
     collapsed_bound,
@@ -31,6 +41,13 @@ __all__ = [
     "expected_gaussian_loglik",
     "gaussian_kl",
     "gaussian_logpdf",
+    "odvgp_conditional_optimum",
+    "odvgp_elbo",
+    "odvgp_kl",
+    "odvgp_optimal_elbo",
+    "odvgp_optimum",
+    "odvgp_predictive",
+    "odvgp_residual_features",
     "process_kl",
     "rbf",
     "svgp_elbo",

@@ -1,0 +1,158 @@
+"""The diagonal mean natural-gradient rule (paper eq. 17, spec 5.8) of :class:`OrthogonalMeanNaturalGradient`.
+
+Spec identity N3: alternating an exact natural-gradient step on the covariance block (``gpytorch.optim.NGD``, step
+1) with the diagonal rule on :math:`\\mathbf a_\\gamma` is preconditioned gradient descent on the profile ELBO in
+:math:`\\mathbf a_\\gamma`, so it converges to :math:`\\mathrm{ELBO}^\\star` (5.13) exactly when
+:math:`\\tau<2/\\lambda_{\\max}(\\mathbf P\\mathbf H_p)`, with :math:`\\mathbf P=(\\mathbf D+\\epsilon\\mathbf I)^{-1}`
+and :math:`\\mathbf H_p` the Hessian of the profile :math:`-\\mathrm{ELBO}`. The bound is computed here from dense
+oracle matrices, and the rule is run just below it (converges) and just above it (diverges). A wrong preconditioner
+(e.g. :math:`\\mathbf D^{-2}`) or a missing factor :math:`N` moves the threshold and fails one of the two.
+"""
+
+from __future__ import annotations
+
+import math
+
+import gpytorch
+import pytest
+import torch
+
+from gpytorch_decoupled.optim import OrthogonalMeanNaturalGradient
+from tests.oracles import odvgp_residual_features
+from tests.variational.test_orthogonally_decoupled_identities import (
+    F64,
+    NOISE,
+    ODVGPModel,
+    _freeze_all_but,
+    _full_batch_elbo,
+    _gaussian_likelihood,
+    _gen,
+    _optimal_elbo,
+    _oracle_blocks,
+    _randn,
+    _regression_problem,
+)
+
+EPSILON = 1e-12  # the rule's jitter on D; the dense bound below uses the same D + EPSILON
+
+
+def _problem():
+    beta, gamma, X, y = _regression_problem(14, m_gamma=10)
+    model = ODVGPModel(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
+    likelihood = _gaussian_likelihood()
+    strategy = model.variational_strategy
+    with torch.no_grad():
+        strategy.mean_coefficients.zero_()
+    _freeze_all_but(model, likelihood, strategy.mean_coefficients, *model.variational_parameters())
+    return model, likelihood, beta, gamma, X, y
+
+
+def _residual_schur(beta, gamma, X) -> torch.Tensor:
+    b = _oracle_blocks(beta, gamma, X)
+    return b["K_gg"] - b["K_gb"] @ torch.linalg.solve(b["K_bb"], b["K_gb"].mT)
+
+
+def _stability_limit(beta, gamma, X) -> tuple[float, float]:
+    """``(2 / lambda_max, 2 / (lambda_min + lambda_max))`` of the preconditioned profile Hessian (dense oracle)."""
+    b = _oracle_blocks(beta, gamma, X)
+    K_bg = b["K_gb"].mT
+    phi = odvgp_residual_features(b["K_bb"], b["K_bX"], b["K_gX"], K_bg).mT  # (N, M_gamma)
+    projection = torch.linalg.solve(b["K_bb"], b["K_bX"]).mT  # K_Xb K_b^-1, (N, M_beta)
+    # -ELBO is quadratic in (a_gamma, m_beta): (1/2s)|y - phi a - P m|^2 + a' K_perp a / 2 + m' K_b^-1 m / 2 + const.
+    h_aa = phi.mT @ phi / NOISE + _residual_schur(beta, gamma, X)
+    h_am = phi.mT @ projection / NOISE
+    h_mm = projection.mT @ projection / NOISE + torch.linalg.inv(b["K_bb"])
+    profile = h_aa - h_am @ torch.linalg.solve(h_mm, h_am.mT)  # the beta block is re-optimised by each NGD step
+    scale = (torch.diagonal(_residual_schur(beta, gamma, X)) + EPSILON).rsqrt()
+    eigenvalues = torch.linalg.eigvalsh(scale.unsqueeze(-1) * profile * scale)
+    low, high = eigenvalues.min().item(), eigenvalues.max().item()
+    return 2.0 / high, 2.0 / (low + high)
+
+
+def _run_orthnat_diagonal(lr: float, iterations: int, stop_gap: float | None = None) -> tuple[list[float], float]:
+    model, likelihood, beta, gamma, X, y = _problem()
+    strategy = model.variational_strategy
+    ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=60, lr=1.0)
+    mean_step = OrthogonalMeanNaturalGradient(strategy, num_data=60, lr=lr, jitter=EPSILON)
+    elbo_star = _optimal_elbo(beta, gamma, X, y).item()
+    history = []
+    for _ in range(iterations):
+        for optimizer in (ngd, mean_step):
+            optimizer.zero_grad()
+            elbo = _full_batch_elbo(model, likelihood, X, y)
+            (-elbo / 60).backward()
+            optimizer.step()
+            history.append(elbo.item())
+        if stop_gap is not None and abs(history[-1] - elbo_star) < stop_gap * abs(elbo_star):
+            break
+    return history, elbo_star
+
+
+def test_residual_variances_are_the_schur_diagonal() -> None:
+    model, _, beta, gamma, X, _ = _problem()
+    expected = torch.diagonal(_residual_schur(beta, gamma, X))
+    torch.testing.assert_close(model.variational_strategy.residual_variances().detach(), expected, rtol=1e-12, atol=0)
+
+
+def test_one_step_is_the_diagonal_rule() -> None:
+    # a <- a - lr N grad(-ELBO / N) / (D + eps), with D = diag(K_gamma_perp_beta) from the dense oracle.
+    model, likelihood, beta, gamma, X, y = _problem()
+    strategy = model.variational_strategy
+    with torch.no_grad():
+        strategy.mean_coefficients.copy_(_randn(10, gen=_gen(1)))
+    lr = 0.01
+    mean_step = OrthogonalMeanNaturalGradient(strategy, num_data=60, lr=lr, jitter=1e-3)
+    (-_full_batch_elbo(model, likelihood, X, y) / 60).backward()
+    before, grad = strategy.mean_coefficients.detach().clone(), strategy.mean_coefficients.grad.clone()
+    mean_step.step()
+    expected = before - lr * 60 * grad / (torch.diagonal(_residual_schur(beta, gamma, X)) + 1e-3)
+    torch.testing.assert_close(strategy.mean_coefficients.detach(), expected, rtol=1e-13, atol=1e-13)
+
+
+def test_converges_to_the_optimum_below_the_stability_limit() -> None:
+    limit, best = _stability_limit(*_problem()[2:5])
+    assert best < limit
+    for lr, iterations in ((best, 120), (0.9 * limit, 150)):
+        history, elbo_star = _run_orthnat_diagonal(lr, iterations, stop_gap=1e-7)
+        assert abs(history[-1] - elbo_star) < 1e-7 * abs(elbo_star), (lr, history[-1], elbo_star)
+        assert max(history) <= elbo_star + 1e-9 * abs(elbo_star)
+
+
+def test_diverges_above_the_stability_limit() -> None:
+    limit, _ = _stability_limit(*_problem()[2:5])
+    history, elbo_star = _run_orthnat_diagonal(1.1 * limit, 60)
+    assert all(math.isfinite(value) for value in history)
+    # The error along the top eigenvector grows by |1 - 1.1 * 2| = 1.2 per step: the ELBO runs away from ELBO*.
+    assert history[-1] < elbo_star - 1e3 * abs(elbo_star)
+    assert history[-1] < history[len(history) // 2] < history[2]
+
+
+def test_refuses_other_strategies_and_bad_settings() -> None:
+    model, *_ = _problem()
+    beta = torch.zeros(3, 2, dtype=F64)
+    q_u = gpytorch.variational.CholeskyVariationalDistribution(3)
+    svgp = gpytorch.variational.VariationalStrategy(gpytorch.models.ApproximateGP(None), beta, q_u)
+    for wrong in (svgp, model):
+        with pytest.raises(TypeError, match="OrthogonallyDecoupledVariationalStrategy"):
+            OrthogonalMeanNaturalGradient(wrong, num_data=60)
+    for kwargs in ({"lr": 0.0}, {"lr": -1.0}, {"num_data": 0}, {"jitter": 0.0}):
+        with pytest.raises(ValueError, match="positive"):
+            OrthogonalMeanNaturalGradient(model.variational_strategy, **{"num_data": 60, **kwargs})
+
+
+def test_non_finite_update_leaves_the_coefficients_unchanged() -> None:
+    model, likelihood, _, _, X, y = _problem()
+    strategy = model.variational_strategy
+    with torch.no_grad():
+        strategy.mean_coefficients.copy_(_randn(10, gen=_gen(2)))
+    before = strategy.mean_coefficients.detach().clone()
+    mean_step = OrthogonalMeanNaturalGradient(strategy, num_data=60, lr=0.01)
+    # No gradient yet: nothing to do.
+    mean_step.step()
+    assert torch.equal(strategy.mean_coefficients.detach(), before)
+    (-_full_batch_elbo(model, likelihood, X, y) / 60).backward()
+    for bad in (float("nan"), float("inf")):
+        strategy.mean_coefficients.grad[3] = bad
+        with pytest.raises(RuntimeError, match="not finite"):
+            mean_step.step()
+        assert torch.equal(strategy.mean_coefficients.detach(), before)
