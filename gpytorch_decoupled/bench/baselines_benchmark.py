@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from .benchmark import Benchmark
-from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, load_split, run_config
-from .report import benchmark_payload, format_table, plot_curves, write_results
+from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, load_split, run_config, split_config
+from .report import benchmark_payload, format_ratios, format_table, plot_curves, write_results
 from .runner import compare
 
 NAME = "baselines"
@@ -51,9 +51,7 @@ def _run(args: argparse.Namespace) -> dict:
         NAME,
         {
             **config.to_json(),
-            "dataset": split.name,
-            "split": split.split,
-            "train_rows": split.train_x.size(0),
+            **split_config(split),
             "methods": methods,
             "reference": REFERENCE,
         },
@@ -65,9 +63,7 @@ def _run(args: argparse.Namespace) -> dict:
     output = Path(args.output_dir)
     write_results(output / f"{NAME}.json", payload)
     plot_curves(results, output / f"{NAME}.png", title=f"GPyTorch baselines on {split.name}: test NLL over time")
-    print("\nratios to GPyTorch SVGP (Adam) in this run:")
-    for goal_name, value in ratios.items():
-        print(f"  {goal_name:40s} {value:8.2f}")
+    print("\n" + format_ratios(payload))
     return payload
 
 

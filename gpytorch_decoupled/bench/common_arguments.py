@@ -57,3 +57,8 @@ def load_split(args: argparse.Namespace, name: str):
         keep = torch.randperm(split.train_x.size(0), generator=generator)[: args.max_train_rows]
         split = replace(split, train_x=split.train_x[keep], train_y=split.train_y[keep])
     return split
+
+
+def split_config(split) -> dict:
+    """What a results file records about the data it was measured on."""
+    return {"dataset": split.name, "split": split.split, "train_rows": split.train_x.size(0)}

@@ -49,7 +49,7 @@ from .benchmark import Benchmark
 from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, load_split, run_config
 from .method_result import MethodResult
 from .methods import Method, build_method
-from .report import benchmark_payload, write_results
+from .report import benchmark_payload, format_ratios, write_results
 from .runner import train_and_evaluate
 
 NAME = "orthogonal-accuracy"
@@ -466,13 +466,7 @@ def _run(args: argparse.Namespace) -> dict:
         **extra,
     )
     write_results(output / f"{NAME}.json", payload)
-    print("\nratios:")
-    for goal_name, value in ratios.items():
-        bound = goals.get(goal_name)
-        verdict = (
-            "" if bound is None else f"  goal ≤ {bound:g}: {'met' if payload['goal_met'][goal_name] else 'MISSED'}"
-        )
-        print(f"  {goal_name:36s} {value:8.3f}{verdict}")
+    print("\n" + format_ratios(payload))
     return payload
 
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from .benchmark import Benchmark
-from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, load_split, run_config
+from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, load_split, run_config, split_config
 from .method_result import MethodResult
 from .methods import Method, build_method
-from .report import benchmark_payload, format_table, write_results
+from .report import benchmark_payload, format_ratios, format_table, write_results
 from .run_config import RunConfig
 from .runner import compare, train_and_evaluate
 
@@ -186,9 +186,7 @@ def _run(args: argparse.Namespace) -> dict:
         NAME,
         {
             **config.to_json(),
-            "dataset": split.name,
-            "split": split.split,
-            "train_rows": split.train_x.size(0),
+            **split_config(split),
             "methods": methods,
             "reference": REFERENCE,
             "scale_method": "orthnat",
@@ -206,13 +204,7 @@ def _run(args: argparse.Namespace) -> dict:
         scale=scale_table,
     )
     write_results(Path(args.output_dir) / f"{NAME}.json", payload)
-    print("\nratios (see ratio_notes in the JSON; peak_memory_gb_at_1e5 is absolute):")
-    for goal_name, value in ratios.items():
-        bound = GOALS.get(goal_name)
-        verdict = (
-            "" if bound is None else f"  goal ≤ {bound:g}: {'met' if payload['goal_met'][goal_name] else 'MISSED'}"
-        )
-        print(f"  {goal_name:36s} {value:8.3f}{verdict}")
+    print("\n" + format_ratios(payload) + "\n(peak_memory_gb_at_1e5 is an absolute value; see ratio_notes in the JSON)")
     return payload
 
 

@@ -146,3 +146,16 @@ def benchmark_payload(
         "rows": [result.to_json() for result in results],
         **extra,
     }
+
+
+def format_ratios(payload: dict) -> str:
+    """The ratios of a results payload, one per line, with the goal and the verdict where the ratio has a goal."""
+    lines = ["ratios (ours ÷ same-run baseline unless its note says otherwise):"]
+    for goal_name, value in payload["ratios"].items():
+        bound = payload["goals"].get(goal_name)
+        verdict = ""
+        if bound is not None:
+            relation = "≤" if lower_is_better(goal_name) else "≥"
+            verdict = f"  goal {relation} {bound:g}: {'met' if payload['goal_met'][goal_name] else 'MISSED'}"
+        lines.append(f"  {goal_name:40s} {value:8.3f}{verdict}")
+    return "\n".join(lines)
