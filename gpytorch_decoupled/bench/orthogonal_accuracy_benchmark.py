@@ -49,7 +49,7 @@ from .benchmark import Benchmark
 from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, load_split, run_config
 from .method_result import MethodResult
 from .methods import Method, build_method
-from .report import benchmark_payload, format_ratios, write_results
+from .report import benchmark_payload, format_ratios, plot_curves, write_results
 from .runner import train_and_evaluate
 
 NAME = "orthogonal-accuracy"
@@ -283,34 +283,6 @@ def _convergence(args: argparse.Namespace) -> tuple[dict, list[MethodResult]]:
     return summary, results
 
 
-def _plot_convergence(results: list[MethodResult], tolerance: float, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    for result in results:
-        iterations = [point["iteration"] for point in result.curve]
-        # The jittered model may end a hair above the dense optimum; a log axis needs positive gaps.
-        gaps = [max(point["relative_gap"], 1e-12) for point in result.curve]
-        axis.plot(iterations, gaps, label=result.label)
-    axis.axhline(tolerance, color="grey", linestyle="--", linewidth=1, label=f"tolerance {tolerance:g}")
-    axis.set_yscale("log")
-    axis.set_xlabel("iteration (full batch)")
-    axis.set_ylabel("(ELBO* − ELBO) / |ELBO*|")
-    axis.set_title("Fixed hyperparameters and inducing inputs: gap to the optimal ELBO")
-    axis.grid(alpha=0.3, which="both")
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
-
-
 # ---------------------------------------------------------------------------------------------- accuracy
 def average_ranks(values: dict[str, float]) -> dict[str, float]:
     """Rank 1 for the lowest value; tied values share the mean of their ranks; NaN ranks last.
@@ -429,7 +401,18 @@ def _run(args: argparse.Namespace) -> dict:
                 f"  {name:8s} {reached}; final relative gap {trace['final_relative_gap']:.2e}; "
                 f"{trace['seconds_per_iteration']:.4f} s / iteration"
             )
-        _plot_convergence(convergence_results, args.tolerance, output / f"{NAME}.png")
+        # The jittered model may end a hair above the dense optimum; the log axis floors the gaps.
+        plot_curves(
+            convergence_results,
+            output / f"{NAME}.png",
+            metric="relative_gap",
+            title="Fixed hyperparameters and inducing inputs: gap to the optimal ELBO",
+            x="iteration",
+            xlabel="iteration (full batch)",
+            ylabel="(ELBO* − ELBO) / |ELBO*|",
+            log=True,
+            reference=(args.tolerance, f"tolerance {args.tolerance:g}"),
+        )
 
     if "accuracy" in args.parts:
         accuracy, accuracy_results = _accuracy(args)

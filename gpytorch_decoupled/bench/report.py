@@ -83,9 +83,21 @@ def write_results(path: str | os.PathLike, payload: dict) -> Path:
 
 
 def plot_curves(
-    results: Sequence[MethodResult], path: str | os.PathLike, metric: str = "nll", title: str = ""
+    results: Sequence[MethodResult],
+    path: str | os.PathLike,
+    metric: str = "nll",
+    title: str = "",
+    x: str = "seconds",
+    xlabel: str = "training wall-clock time (s)",
+    ylabel: str | None = None,
+    log: bool = False,
+    reference: tuple[float, str] | None = None,
 ) -> Path | None:
-    """Plot a test metric against training wall-clock time, one line per method; ``None`` without matplotlib."""
+    """Plot one curve per method (``metric`` against ``x`` from each result's curve); ``None`` without matplotlib.
+
+    :param log: Logarithmic y axis (values are floored at 1e-12).
+    :param reference: A horizontal line ``(value, label)``, e.g. a tolerance.
+    """
     try:
         import matplotlib
 
@@ -96,13 +108,18 @@ def plot_curves(
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for result in results:
         if result.curve:
-            seconds = [point["seconds"] for point in result.curve]
             values = [point[metric] for point in result.curve]
-            axis.plot(seconds, values, marker=".", label=f"{result.label} ({result.sizes})")
-    axis.set_xlabel("training wall-clock time (s)")
-    axis.set_ylabel(f"test {metric.upper()}")
+            if log:
+                values = [max(value, 1e-12) for value in values]
+            axis.plot([point[x] for point in result.curve], values, label=f"{result.label} ({result.sizes})")
+    if reference is not None:
+        axis.axhline(reference[0], color="grey", linestyle="--", linewidth=1, label=reference[1])
+    if log:
+        axis.set_yscale("log")
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel or f"test {metric.upper()}")
     axis.set_title(title)
-    axis.grid(alpha=0.3)
+    axis.grid(alpha=0.3, which="both")
     axis.legend(fontsize=8)
     figure.tight_layout()
     path = Path(path)
