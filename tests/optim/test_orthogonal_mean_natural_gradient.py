@@ -22,11 +22,9 @@ from tests.oracles import odvgp_residual_features
 from tests.variational.test_orthogonally_decoupled_identities import (
     F64,
     NOISE,
-    ODVGPModel,
-    _freeze_all_but,
     _full_batch_elbo,
-    _gaussian_likelihood,
     _gen,
+    _natural_model_with_fixed_hyperparameters,
     _optimal_elbo,
     _oracle_blocks,
     _randn,
@@ -38,12 +36,7 @@ EPSILON = 1e-12  # the rule's jitter on D; the dense bound below uses the same D
 
 def _problem():
     beta, gamma, X, y = _regression_problem(14, m_gamma=10)
-    model = ODVGPModel(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
-    likelihood = _gaussian_likelihood()
-    strategy = model.variational_strategy
-    with torch.no_grad():
-        strategy.mean_coefficients.zero_()
-    _freeze_all_but(model, likelihood, strategy.mean_coefficients, *model.variational_parameters())
+    model, likelihood, _ = _natural_model_with_fixed_hyperparameters(beta, gamma)
     return model, likelihood, beta, gamma, X, y
 
 

@@ -17,6 +17,11 @@ __all__ = ["cholesky", "logdet_from_cholesky", "require_float64", "check_noise",
 LOG_2PI = math.log(2.0 * math.pi)
 
 
+def centred(y: Tensor, prior_mean: Tensor | None) -> Tensor:
+    """Targets minus the prior mean (if any): every oracle works with a zero-mean prior."""
+    return y if prior_mean is None else y - prior_mean
+
+
 def require_float64(**tensors: Tensor | None) -> None:
     """Raise ``TypeError`` unless every named argument is a float64 tensor (``None`` is skipped).
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._linalg import check_noise, cholesky, require_float64, tril_solve
+from ._linalg import centred, check_noise, cholesky, require_float64, tril_solve
 from .gaussian import gaussian_logpdf
 
 __all__ = ["exact_posterior", "exact_log_marginal_likelihood"]
@@ -53,7 +53,7 @@ def exact_posterior(
     check_noise(noise)
     L = cholesky(_noisy(K_xx, noise), "K_xx + noise I")
     A = tril_solve(L, K_xs)
-    resid = y if prior_mean_x is None else y - prior_mean_x
+    resid = centred(y, prior_mean_x)
     r = tril_solve(L, resid.unsqueeze(-1)).squeeze(-1)
     mean = A.mT @ r
     if prior_mean_s is not None:

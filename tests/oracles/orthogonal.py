@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._linalg import check_noise, cholesky, require_float64, tril_solve
+from ._linalg import centred, check_noise, cholesky, require_float64, tril_solve
 from .gaussian import expected_gaussian_loglik, gaussian_kl, gaussian_logpdf
 
 __all__ = [
@@ -43,10 +43,6 @@ __all__ = [
     "odvgp_conditional_optimum",
     "odvgp_optimal_elbo",
 ]
-
-
-def _centred(y: Tensor, prior_mean: Tensor | None) -> Tensor:
-    return y if prior_mean is None else y - prior_mean
 
 
 def _solve_spd(K: Tensor, B: Tensor, name: str) -> Tensor:
@@ -197,7 +193,7 @@ def odvgp_optimum(
     check_noise(noise)
     K_aa, K_aX = _stack_alpha(K_gg, K_gb, K_bb, K_gX, K_bX)
     system = K_aX @ K_aX.mT + noise * K_aa
-    a_tilde = _solve_spd(system, (K_aX @ _centred(y, prior_mean_f)).unsqueeze(-1), "K_aX K_Xa + noise K_aa")
+    a_tilde = _solve_spd(system, (K_aX @ centred(y, prior_mean_f)).unsqueeze(-1), "K_aX K_Xa + noise K_aa")
     a_tilde = a_tilde.squeeze(-1)
     m_gamma = K_gg.shape[-1]
     m_beta = torch.cat([K_gb.mT, K_bb], -1) @ a_tilde
@@ -237,7 +233,7 @@ def odvgp_conditional_optimum(
     eye = torch.eye(K_bb.shape[-1], dtype=K_bb.dtype, device=K_bb.device)
     precision = _solve_spd(K_bb, eye, "K_bb") + A @ A.mT / noise
     S = _solve_spd(0.5 * (precision + precision.mT), eye, "S*^-1")
-    residual = _centred(y, prior_mean_f) - phi @ a_gamma
+    residual = centred(y, prior_mean_f) - phi @ a_gamma
     m_beta = S @ (A @ residual) / noise
     return m_beta, 0.5 * (S + S.mT)
 
@@ -272,7 +268,7 @@ def odvgp_optimal_elbo(
     V_a = tril_solve(cholesky(K_aa, "K_alpha"), K_aX)
     Q_b, Q_a = V_b.mT @ V_b, V_a.mT @ V_a
     eye = torch.eye(y.shape[-1], dtype=y.dtype, device=y.device)
-    r = _centred(y, prior_mean_f)
+    r = centred(y, prior_mean_f)
     zeros = torch.zeros_like(r)
     # log N(r | 0, Q_b + s I) carries the log-determinant; swap its quadratic term for the alpha one.
     log_det_part = gaussian_logpdf(zeros, zeros, Q_b + noise * eye)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._linalg import check_noise, cholesky, require_float64, tril_solve
+from ._linalg import centred, check_noise, cholesky, require_float64, tril_solve
 from .gaussian import expected_gaussian_loglik, gaussian_kl, gaussian_logpdf
 
 __all__ = [
@@ -32,10 +32,6 @@ __all__ = [
     "whiten_qu",
     "unwhiten_qu",
 ]
-
-
-def _centred(y: Tensor, prior_mean: Tensor | None) -> Tensor:
-    return y if prior_mean is None else y - prior_mean
 
 
 def titsias_optimal_qu(
@@ -58,7 +54,7 @@ def titsias_optimal_qu(
     check_noise(noise)
     L_A = cholesky(K_uu + K_uf @ K_uf.mT / noise, "K_uu + K_uf K_fu / noise")
     B = tril_solve(L_A, K_uu)
-    c = tril_solve(L_A, (K_uf @ _centred(y, prior_mean_f)).unsqueeze(-1)).squeeze(-1)
+    c = tril_solve(L_A, (K_uf @ centred(y, prior_mean_f)).unsqueeze(-1)).squeeze(-1)
     return B.mT @ c / noise, B.mT @ B
 
 

@@ -509,6 +509,17 @@ def _freeze_all_but(model, likelihood, *keep: torch.nn.Parameter) -> None:
         p.requires_grad_(id(p) in kept)
 
 
+def _natural_model_with_fixed_hyperparameters(beta: torch.Tensor, gamma: torch.Tensor):
+    """A natural-gradient beta block and a_gamma = 0 as the only free parameters (the OrthNat test problems)."""
+    model = ODVGPModel(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
+    likelihood = _gaussian_likelihood()
+    strategy = model.variational_strategy
+    with torch.no_grad():
+        strategy.mean_coefficients.zero_()
+    _freeze_all_but(model, likelihood, strategy.mean_coefficients, *model.variational_parameters())
+    return model, likelihood, strategy
+
+
 @pytest.mark.parametrize("num_mean_points", [10, 0])
 def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) -> None:
     beta, gamma, X, y = _regression_problem(9)
@@ -545,12 +556,7 @@ def test_orthnat_reaches_the_closed_form_optimum() -> None:
     # The paper's OrthNat scheme with fixed hyperparameters: an NGD step (size 1) on the beta block, then an Adam
     # step on a_gamma, each on a fresh full-batch ELBO. It must approach ELBO* (5.13) from below.
     beta, gamma, X, y = _regression_problem(11)
-    model = ODVGPModel(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
-    likelihood = _gaussian_likelihood()
-    strategy = model.variational_strategy
-    with torch.no_grad():
-        strategy.mean_coefficients.zero_()
-    _freeze_all_but(model, likelihood, strategy.mean_coefficients, *model.variational_parameters())
+    model, likelihood, strategy = _natural_model_with_fixed_hyperparameters(beta, gamma)
     ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=60, lr=1.0)
     adam = torch.optim.Adam([strategy.mean_coefficients], lr=0.1)
     elbo_star = _optimal_elbo(beta, gamma, X, y).item()
