@@ -1,23 +1,11 @@
 from __future__ import annotations
 
-import torch
-from gpytorch.distributions import MultivariateNormal
-from gpytorch.models import ApproximateGP
-from gpytorch.utils.memoize import (
-    _add_to_cache_ignore_args,
-    _get_from_cache_ignore_args,
-    _is_in_cache_ignore_args,
-)
-from gpytorch.variational import VariationalStrategy
-from gpytorch.variational._variational_distribution import _VariationalDistribution
-from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from ..linalg import column_sampled_quadratic_form
-from ._cache_safe_mixin import _CacheSafeMixin
+from ._residual_mean_variational_strategy import _ResidualMeanVariationalStrategy
 
 
-class OrthogonallyDecoupledVariationalStrategy(_CacheSafeMixin, VariationalStrategy):
+class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy):
     r"""
     Orthogonally decoupled variational GP (ODVGP) of `Salimbeni et al. (2018)`_, exactly as in the paper, at linear
     cost in the mean-basis size.
@@ -110,136 +98,10 @@ class OrthogonallyDecoupledVariationalStrategy(_CacheSafeMixin, VariationalStrat
         https://arxiv.org/abs/1809.08820
     """
 
-    def __init__(
-        self,
-        model: ApproximateGP,
-        inducing_points: Tensor,
-        variational_distribution: _VariationalDistribution,
-        mean_inducing_points: Tensor,
-        learn_inducing_locations: bool = True,
-        num_kl_columns: int | None = 64,
-        kl_block_size: int = 4096,
-        mean_init_std: float = 1e-3,
-        jitter_val: float | None = None,
-    ):
-        if mean_inducing_points.dim() == 1:
-            mean_inducing_points = mean_inducing_points.unsqueeze(-1)
-        covariance_dims = inducing_points.size(-1) if inducing_points.dim() > 1 else 1
-        if mean_inducing_points.dim() != 2 or mean_inducing_points.size(-1) != covariance_dims:
-            raise ValueError(
-                f"mean_inducing_points must have shape (M_gamma, {covariance_dims}) to match inducing_points "
-                f"{tuple(inducing_points.shape)}, got {tuple(mean_inducing_points.shape)}."
-            )
-        if not torch.isfinite(mean_inducing_points).all():
-            raise ValueError("mean_inducing_points contains NaN or inf.")
-        if num_kl_columns is not None and num_kl_columns < 1:
-            raise ValueError(f"num_kl_columns must be a positive integer or None, got {num_kl_columns}.")
-        super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
-        # The fantasy (OVC) machinery of the base class assumes the single-basis SVGP.
-        self.has_fantasy_strategy = False
-
-        gamma = mean_inducing_points.detach().clone().to(self.inducing_points)
-        if learn_inducing_locations:
-            self.register_parameter("mean_inducing_points", torch.nn.Parameter(gamma))
-        else:
-            self.register_buffer("mean_inducing_points", gamma)
-        batch_shape = variational_distribution.batch_shape
-        # Near zero, as GPyTorch starts variational means (mean_init_std): exactly zero would leave gamma without a
-        # gradient in the first step.
-        coefficients = torch.randn(*batch_shape, gamma.size(-2), dtype=gamma.dtype, device=gamma.device)
-        coefficients.mul_(mean_init_std)
-        self.register_parameter("mean_coefficients", torch.nn.Parameter(coefficients))
-        self.num_kl_columns = num_kl_columns
-        self.kl_block_size = kl_block_size
-
-    # ------------------------------------------------------------------ kernel blocks
-    def _cross_covariance(self, x1: Tensor, x2: Tensor, **kwargs) -> Tensor:
-        """Dense prior covariance between two input sets through ``model.forward`` (only that block is evaluated)."""
-        batch_shape = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
-        x1 = x1.expand(*batch_shape, *x1.shape[-2:])
-        x2 = x2.expand(*batch_shape, *x2.shape[-2:])
-        joint = self.model.forward(torch.cat([x1, x2], dim=-2), **kwargs).lazy_covariance_matrix
-        return joint[..., : x1.size(-2), x1.size(-2) :].to_dense()
-
-    def _beta_cholesky(self):
-        """Cholesky factor of :math:`\\mathbf K_\\beta` plus jitter, shared with the base class's cache."""
-        beta = self.inducing_points
-        covariance = self.model.forward(beta).lazy_covariance_matrix.add_jitter(self.jitter_val)
-        return self._cholesky_factor(covariance)
-
-    def residual_coordinates(self) -> Tensor:
-        r"""
-        :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma`, so that the mean of the
-        :math:`\gamma` block projected on :math:`\operatorname{span}\Psi_\beta` is :math:`\mathbf L_\beta \mathbf c`
-        at :math:`\beta`. Cached in eval mode (where predictions then need only :math:`\mathbf k_{\mathbf x\gamma}`) and
-        within one training step (shared by the forward pass and the KL).
-        """
-        if not _is_in_cache_ignore_args(self, "residual_coordinates"):
-            self._cache_residual_coordinates(self._mean_basis_values(self.inducing_points))
-        return _get_from_cache_ignore_args(self, "residual_coordinates")
-
-    def _mean_basis_values(self, x: Tensor, **kwargs) -> Tensor:
-        r""":math:`\mathbf K_{\mathbf x\gamma}\mathbf a_\gamma`, the mean basis function at ``x``."""
-        return self._cross_covariance(x, self.mean_inducing_points, **kwargs) @ self.mean_coefficients.unsqueeze(-1)
-
-    def _cache_residual_coordinates(self, beta_values: Tensor) -> Tensor:
-        chol = self._beta_cholesky()
-        coordinates = chol.solve(beta_values.type(chol.dtype)).squeeze(-1).type(beta_values.dtype)
-        return _add_to_cache_ignore_args(self, "residual_coordinates", coordinates)
-
-    def _sampled_rows(self) -> Tensor | None:
-        r"""Rows of :math:`\mathbf K_\gamma` for this training step's KL estimate, or None when the KL is exact."""
-        num_gamma = self.mean_inducing_points.size(-2)
-        if not self.training or self.num_kl_columns is None or self.num_kl_columns >= num_gamma:
-            return None
-        return torch.randperm(num_gamma, device=self.mean_inducing_points.device)[: self.num_kl_columns]
-
-    def _data_mean_basis_values(self, x: Tensor, **kwargs) -> Tensor:
-        r"""
-        :math:`\mathbf K_{\mathbf x\gamma}\mathbf a_\gamma`. Everything the mean basis contributes to a training step
-        is this same product at other rows: at :math:`\beta` (the projection :math:`\mathbf c`) and at the sampled rows
-        :math:`C` of :math:`\mathbf K_\gamma` (the KL estimate of spec §0.1,
-        :math:`\tfrac{M_\gamma}{b}\mathbf a_C^\top[\mathbf K_{C\gamma}\mathbf a_\gamma]`). When the step has not
-        computed them yet (training, or the first eval call), all rows go through one kernel evaluation and one
-        product, and the model-level results are cached for :meth:`kl_divergence` and later eval calls.
-        """
-        if _is_in_cache_ignore_args(self, "residual_coordinates"):
-            return self._mean_basis_values(x, **kwargs).squeeze(-1)
-        gamma, beta = self.mean_inducing_points, self.inducing_points
-        sampled = self._sampled_rows()
-        rows = [beta] if sampled is None else [beta, gamma[sampled].expand(*beta.shape[:-2], -1, -1)]
-        sizes = [row.size(-2) for row in rows]
-        if x.shape[:-2] == beta.shape[:-2]:
-            *model_values, data_values = self._mean_basis_values(torch.cat([*rows, x], dim=-2), **kwargs).split(
-                [*sizes, x.size(-2)], dim=-2
-            )
-        else:  # a data batch the model does not have: keep the model's quantities free of it
-            model_values = self._mean_basis_values(torch.cat(rows, dim=-2), **kwargs).split(sizes, dim=-2)
-            data_values = self._mean_basis_values(x, **kwargs)
-        self._cache_residual_coordinates(model_values[0])
-        if sampled is not None:
-            coefficients = self.mean_coefficients[..., sampled]
-            estimate = (gamma.size(-2) / sampled.numel()) * (coefficients * model_values[1].squeeze(-1)).sum(-1)
-            _add_to_cache_ignore_args(self, "sampled_mean_quadratic", estimate)
-        return data_values.squeeze(-1)
-
-    # ------------------------------------------------------------------ GPyTorch interface
-    def forward(
-        self,
-        x: Tensor,
-        inducing_points: Tensor,
-        inducing_values: Tensor,
-        variational_inducing_covar: LinearOperator | None = None,
-        diag: bool = True,
-        **kwargs,
-    ) -> MultivariateNormal:
+    def _covariance_block_mean(self, inducing_values: Tensor) -> Tensor:
         # Shifting the whitened mean by c turns the SVGP mean k_xb L^-T m_w into k_xb K_b^-1 (m_beta - K_bg a_g): the
         # projection term of the orthogonal basis costs no extra kernel evaluation against beta.
-        data_values = self._data_mean_basis_values(x, **kwargs)
-        shifted_values = inducing_values - self.residual_coordinates()
-        svgp = super().forward(x, inducing_points, shifted_values, variational_inducing_covar, diag=diag, **kwargs)
-        mean = svgp.mean + data_values
-        return MultivariateNormal(mean, svgp.lazy_covariance_matrix)
+        return inducing_values - self.residual_coordinates()
 
     def residual_variances(self) -> Tensor:
         r"""
@@ -257,36 +119,11 @@ class OrthogonallyDecoupledVariationalStrategy(_CacheSafeMixin, VariationalStrat
 
     def mean_quadratic_form(self, indices: Tensor | None = None) -> Tensor:
         r"""
-        :math:`\mathbf a_\gamma^\top\mathbf K_{\gamma\perp\beta}\mathbf a_\gamma`: exact in eval mode or with
-        ``num_kl_columns=None``; in training, the unbiased column-sampled estimate of this step (drawn in the forward
-        pass, or here if no forward pass came first); for explicit ``indices``, the estimate for that sample of rows
-        of :math:`\mathbf K_\gamma`.
+        :math:`\mathbf a_\gamma^\top\mathbf K_{\gamma\perp\beta}\mathbf a_\gamma
+        = \mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma - \lVert\mathbf c\rVert^2`, with the first term
+        from :meth:`mean_basis_quadratic_form` (exact, or this step's column-sampled estimate).
         """
-        if indices is None and _is_in_cache_ignore_args(self, "sampled_mean_quadratic"):
-            quadratic = _get_from_cache_ignore_args(self, "sampled_mean_quadratic")
-        else:
-            quadratic = column_sampled_quadratic_form(
-                self._cross_covariance,
-                self.mean_inducing_points,
-                self.mean_coefficients,
-                indices=self._sampled_rows() if indices is None else indices,
-                block_size=self.kl_block_size,
-            )
-        return quadratic - self.residual_coordinates().pow(2).sum(-1)
+        return self.mean_basis_quadratic_form(indices) - self.residual_coordinates().pow(2).sum(-1)
 
     def kl_divergence(self) -> Tensor:
         return super().kl_divergence() + 0.5 * self.mean_quadratic_form()
-
-    def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
-        if x.size(-1) != self.inducing_points.size(-1):
-            raise ValueError(
-                f"inputs have {x.size(-1)} dimensions but the inducing points have {self.inducing_points.size(-1)}."
-            )
-        if x.dtype != self.inducing_points.dtype or x.device != self.inducing_points.device:
-            raise ValueError(
-                f"inputs are {x.dtype} on {x.device} but the model is {self.inducing_points.dtype} on "
-                f"{self.inducing_points.device}; convert one of them (e.g. model.double() or x.to(...))."
-            )
-        if not torch.isfinite(x).all():
-            raise ValueError("inputs contain NaN or inf.")
-        return super().__call__(x, prior=prior, diag=diag, **kwargs)

@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.models import ApproximateGP
+from gpytorch.utils.memoize import _add_to_cache_ignore_args, _get_from_cache_ignore_args, _is_in_cache_ignore_args
+from gpytorch.variational import VariationalStrategy
+from gpytorch.variational._variational_distribution import _VariationalDistribution
+from linear_operator.operators import LinearOperator
+from torch import Tensor
+
+from ._cache_safe_mixin import _CacheSafeMixin
+from ._mean_basis_mixin import _MeanBasisMixin
+
+
+class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, VariationalStrategy):
+    r"""
+    A whitened SVGP block on the covariance basis :math:`\beta` plus an extra mean basis :math:`\gamma` with
+    coefficients :math:`\mathbf a_\gamma` (``mean_coefficients``, a parameter of the strategy, not of the variational
+    distribution: an NGD step on them is not a natural-gradient step). Both the hybrid and the orthogonally decoupled
+    bases are of this form (spec §4–5); they differ only in how the :math:`\beta` block's mean relates to the
+    :math:`\gamma` block (:meth:`_covariance_block_mean`) and so in their KL.
+
+    The quantity both need is :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma`
+    (:meth:`residual_coordinates`), the whitened coordinates of the :math:`\gamma` mean at :math:`\beta`; it comes out
+    of the same kernel evaluation as the data's mean-basis values and the KL's sampled rows.
+    """
+
+    def __init__(
+        self,
+        model: ApproximateGP,
+        inducing_points: Tensor,
+        variational_distribution: _VariationalDistribution,
+        mean_inducing_points: Tensor,
+        learn_inducing_locations: bool = True,
+        num_kl_columns: int | None = 64,
+        kl_block_size: int = 4096,
+        mean_init_std: float = 1e-3,
+        jitter_val: float | None = None,
+    ):
+        super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
+        # The fantasy (OVC) machinery of the base class assumes the single-basis SVGP.
+        self.has_fantasy_strategy = False
+        self._init_mean_basis(mean_inducing_points, learn_inducing_locations, num_kl_columns, kl_block_size)
+        gamma = self.mean_inducing_points
+        # Near zero, as GPyTorch starts variational means (mean_init_std): exactly zero would leave gamma without a
+        # gradient in the first step.
+        coefficients = torch.randn(*variational_distribution.batch_shape, gamma.size(-2), dtype=gamma.dtype)
+        self.register_parameter("mean_coefficients", torch.nn.Parameter(coefficients.mul_(mean_init_std).to(gamma)))
+
+    def _beta_cholesky(self):
+        """Cholesky factor of :math:`\\mathbf K_\\beta` plus jitter, shared with the base class's cache."""
+        covariance = self.model.forward(self.inducing_points).lazy_covariance_matrix.add_jitter(self.jitter_val)
+        return self._cholesky_factor(covariance)
+
+    def residual_coordinates(self) -> Tensor:
+        r"""
+        :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma`, so that the mean of the
+        :math:`\gamma` block at :math:`\beta` is :math:`\mathbf L_\beta \mathbf c`. Cached in eval mode (where
+        predictions then need only :math:`\mathbf k_{\mathbf x\gamma}`) and within one training step (shared by the
+        forward pass and the KL).
+        """
+        if not _is_in_cache_ignore_args(self, "residual_coordinates"):
+            self._cache_residual_coordinates(self._mean_basis_values(self.inducing_points))
+        return _get_from_cache_ignore_args(self, "residual_coordinates")
+
+    def _cache_residual_coordinates(self, beta_values: Tensor) -> Tensor:
+        chol = self._beta_cholesky()
+        coordinates = chol.solve(beta_values.unsqueeze(-1).type(chol.dtype)).squeeze(-1).type(beta_values.dtype)
+        return _add_to_cache_ignore_args(self, "residual_coordinates", coordinates)
+
+    def _covariance_block_mean(self, inducing_values: Tensor) -> Tensor:
+        r"""The whitened mean the SVGP block interpolates, given the variational mean :math:`\mathbf m_w`."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        x: Tensor,
+        inducing_points: Tensor,
+        inducing_values: Tensor,
+        variational_inducing_covar: LinearOperator | None = None,
+        diag: bool = True,
+        **kwargs,
+    ) -> MultivariateNormal:
+        if _is_in_cache_ignore_args(self, "residual_coordinates"):
+            _, data_values = self._fused_mean_basis_values(x, [], **kwargs)
+        else:
+            (beta_values,), data_values = self._fused_mean_basis_values(x, [self.inducing_points], **kwargs)
+            self._cache_residual_coordinates(beta_values)
+        block_mean = self._covariance_block_mean(inducing_values)
+        svgp = super().forward(x, inducing_points, block_mean, variational_inducing_covar, diag=diag, **kwargs)
+        return MultivariateNormal(svgp.mean + data_values, svgp.lazy_covariance_matrix)
+
+    def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
+        return super().__call__(self._checked_inputs(x), prior=prior, diag=diag, **kwargs)
