@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import torch
+from gpytorch.distributions import MultivariateNormal
+
+from .hybrid_variational_strategy import HybridVariationalStrategy
+from .orthogonally_decoupled_variational_strategy import OrthogonallyDecoupledVariationalStrategy
+
+
+def convert_mean_basis(
+    source: HybridVariationalStrategy | OrthogonallyDecoupledVariationalStrategy,
+    target: HybridVariationalStrategy | OrthogonallyDecoupledVariationalStrategy,
+) -> None:
+    r"""
+    Makes ``target`` (and its model) describe exactly the process of ``source``, across the hybrid and orthogonally
+    decoupled parametrizations (spec §4.7). With the same bases :math:`\gamma, \beta` and hyperparameters the two
+    describe the same set of processes; in whitened coordinates the map is
+
+    .. math::
+
+        \mathbf a_\gamma^{\rm orth} = \mathbf a_\gamma^{\rm hyb}, \qquad
+        \mathbf m_w^{\rm orth} = \mathbf m_w^{\rm hyb} + \mathbf c, \qquad
+        \mathbf S_w^{\rm orth} = \mathbf S_w^{\rm hyb}, \qquad
+        \mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma,
+
+    i.e. :math:`\mathbf m_\beta^{\rm orth} = \mathbf m_\beta^{\rm hyb} + \mathbf K_{\beta\gamma}\mathbf a_\gamma`: the
+    orthogonal basis's :math:`\mathbf m_\beta` is the whole mean at :math:`\beta`, the hybrid's only the
+    :math:`\beta` block's part. Means, covariances, KL and ELBO are then identical. Every other parameter and buffer
+    (hyperparameters, bases, likelihood if it is a submodule of the model) is copied from ``source.model``, so the two
+    models need the same structure; the variational distributions may be of different Gaussian types (e.g. a Cholesky
+    one to a natural one).
+
+    :param source: Strategy whose process is copied.
+    :param target: Strategy that is overwritten.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpytorch_decoupled.variational import (
+        ...     HybridVariationalStrategy, OrthogonallyDecoupledVariationalStrategy, convert_mean_basis
+        ... )
+        >>> class GP(gpytorch.models.ApproximateGP):
+        ...     def __init__(self, strategy_class):
+        ...         beta, gamma = torch.linspace(-2, 2, 5).unsqueeze(-1), torch.linspace(-3, 3, 20).unsqueeze(-1)
+        ...         q = gpytorch.variational.CholeskyVariationalDistribution(5)
+        ...         super().__init__(strategy_class(self, beta, q, gamma))
+        ...         self.covar_module = gpytorch.kernels.RBFKernel()
+        ...     def forward(self, x):
+        ...         return gpytorch.distributions.MultivariateNormal(torch.zeros_like(x[..., 0]), self.covar_module(x))
+        >>> hybrid, orthogonal = GP(HybridVariationalStrategy), GP(OrthogonallyDecoupledVariationalStrategy)
+        >>> convert_mean_basis(hybrid.variational_strategy, orthogonal.variational_strategy)
+        >>> x = torch.randn(4, 1)
+        >>> torch.allclose(hybrid.eval()(x).mean, orthogonal.eval()(x).mean, atol=1e-5)
+        True
+    """
+    strategies = (HybridVariationalStrategy, OrthogonallyDecoupledVariationalStrategy)
+    if not isinstance(source, strategies) or not isinstance(target, strategies):
+        raise TypeError(
+            f"convert_mean_basis maps between {' and '.join(s.__name__ for s in strategies)}, got "
+            f"{type(source).__name__} -> {type(target).__name__}."
+        )
+    source_state = {
+        name: value
+        for name, value in source.model.state_dict().items()
+        if "._variational_distribution." not in f".{name}"
+    }
+    source._clear_cache()  # parameters may have changed in place since the last call
+    with torch.no_grad():
+        if not source.variational_params_initialized.item():  # as GPyTorch would on the first call
+            source._variational_distribution.initialize_variational_distribution(source.prior_distribution)
+            source.variational_params_initialized.fill_(1)
+        source_distribution = source.variational_distribution
+        shift = source.residual_coordinates()
+        if isinstance(target, type(source)):
+            shift = torch.zeros_like(shift)
+        elif isinstance(source, OrthogonallyDecoupledVariationalStrategy):
+            shift = -shift
+        missing, unexpected = target.model.load_state_dict(source_state, strict=False)
+        missing = [name for name in missing if "._variational_distribution." not in f".{name}"]
+        if missing or unexpected:
+            raise ValueError(f"the two models differ in structure: missing {missing}, unexpected {unexpected}.")
+        mapped = MultivariateNormal(source_distribution.mean + shift, source_distribution.covariance_matrix)
+        distribution = target._variational_distribution
+        mean_init_std, distribution.mean_init_std = distribution.mean_init_std, 0.0
+        try:
+            distribution.initialize_variational_distribution(mapped)
+        finally:
+            distribution.mean_init_std = mean_init_std
+        target.variational_params_initialized.fill_(1)
+    for strategy in (source, target):
+        strategy._clear_cache()

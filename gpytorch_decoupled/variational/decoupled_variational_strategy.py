@@ -1,0 +1,218 @@
+from __future__ import annotations
+
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.models import ApproximateGP
+from gpytorch.module import Module
+from gpytorch.utils.memoize import (
+    _add_to_cache_ignore_args,
+    _get_from_cache_ignore_args,
+    _is_in_cache_ignore_args,
+    cached,
+)
+from gpytorch.variational._variational_strategy import _VariationalStrategy
+from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator
+from torch import Tensor
+
+from ..linalg import cholesky_logdet, jittered_cholesky, solve_lower
+from ._cache_safe_mixin import _CacheSafeMixin
+from ._mean_basis_mixin import _MeanBasisMixin
+from .decoupled_variational_distribution import DecoupledVariationalDistribution
+
+
+class DecoupledVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, _VariationalStrategy):
+    r"""
+    The decoupled (SVDGP) variational GP of `Cheng & Boots (2017)`_: a mean basis :math:`\alpha`
+    (``mean_inducing_points``, :math:`M_\alpha` points, possibly :math:`10^5` or more) and a separate covariance basis
+    :math:`\beta` (``inducing_points``, :math:`M_\beta` points), with the inverse parametrization of
+    :class:`~gpytorch_decoupled.variational.DecoupledVariationalDistribution`
+    (:math:`\mathbf a`, :math:`\mathbf B = \mathbf L_B\mathbf L_B^\top`):
+
+    .. math::
+
+        m(\mathbf x) &= \mu_0(\mathbf x) + \mathbf k_{\mathbf x\alpha}\mathbf a, \\
+        s(\mathbf x, \mathbf x') &= k(\mathbf x, \mathbf x')
+            - \mathbf k_{\mathbf x\beta}\mathbf L_B \mathbf H^{-1}\mathbf L_B^\top\mathbf k_{\beta\mathbf x'},
+        \qquad \mathbf H = \mathbf I + \mathbf L_B^\top\mathbf K_\beta\mathbf L_B,
+
+    (spec eq. 3.1; :math:`\mathbf L_B\mathbf H^{-1}\mathbf L_B^\top = (\mathbf B^{-1} + \mathbf K_\beta)^{-1}` stays
+    defined for singular :math:`\mathbf B`), and the KL of the process (spec eq. 3.2)
+
+    .. math::
+
+        \mathrm{KL}[q \Vert p] = \tfrac12 \mathbf a^\top\mathbf K_\alpha\mathbf a
+        + \tfrac12\big[\log\lvert\mathbf H\rvert + \operatorname{tr}(\mathbf H^{-1}) - M_\beta\big],
+
+    using :math:`\operatorname{tr}(\mathbf K_\beta\mathbf L_B\mathbf H^{-1}\mathbf L_B^\top) = M_\beta -
+    \operatorname{tr}(\mathbf H^{-1})`. :math:`\mathbf H \succeq \mathbf I` whatever :math:`\mathbf K_\beta` is, so
+    nothing here factors :math:`\mathbf K_\beta` itself: the model stays well conditioned even when covariance basis
+    points coincide. :math:`\mathbf a^\top\mathbf K_\alpha\mathbf a` is estimated without bias from ``num_kl_columns``
+    sampled rows of :math:`\mathbf K_\alpha` in training (spec §0.1) and computed exactly, in row blocks, in eval mode,
+    so a training step costs :math:`O(N_b M_\alpha + b M_\alpha + N_b M_\beta^2 + M_\beta^3)` and memory linear in
+    :math:`M_\alpha`.
+
+    The posterior covariance is exactly the S-form of SVGP with :math:`\mathbf S = (\mathbf K_\beta^{-1} +
+    \mathbf B)^{-1} \preceq \mathbf K_\beta`: variances never exceed the prior's. The parametrization is not convex and
+    has no practical natural gradient (spec §3.5): train everything with Adam. ``jacobi_preconditioning`` optimizes
+    :math:`\mathbf a_0 = \operatorname{diag}(\mathbf K_\alpha)\mathbf a` and
+    :math:`\mathbf L_0 = \operatorname{diag}(\mathbf K_\beta)\mathbf L_B` instead (spec §6.4), which makes Adam's steps
+    independent of the prior's amplitude.
+
+    Cheng & Boots' own recipe adds per-basis length-scales
+    (:class:`~gpytorch_decoupled.kernels.GeneralizedRBFKernel`, as extra trailing columns of the inducing points) and
+    grows both bases from incoming mini-batches (:class:`~gpytorch_decoupled.optim.OnlineBasisGrowth`).
+
+    :param model: Model this strategy is applied to (typically the :class:`~gpytorch.models.ApproximateGP` itself).
+    :param inducing_points: Covariance basis :math:`\beta`, ``(..., M_beta, D)``.
+    :param variational_distribution: A :class:`~gpytorch_decoupled.variational.DecoupledVariationalDistribution`
+        with ``num_mean_points=M_alpha`` and ``num_inducing_points=M_beta``.
+    :param mean_inducing_points: Mean basis :math:`\alpha`, ``(M_alpha, D)``, shared by every latent of the batch.
+    :param learn_inducing_locations: Learn :math:`\alpha` and :math:`\beta` (default True).
+    :param num_kl_columns: Rows :math:`b` of :math:`\mathbf K_\alpha` sampled for the training KL (the paper's 64);
+        ``None`` computes it exactly.
+    :param kl_block_size: Rows of :math:`\mathbf K_\alpha` evaluated at once by the exact KL.
+    :param jacobi_preconditioning: Scale the variational parameters by the prior variances at their basis points.
+    :param jitter_val: Initial jitter for :math:`\mathbf H` should rounding make it indefinite (default: none, then
+        escalating).
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpytorch_decoupled.variational import DecoupledVariationalDistribution, DecoupledVariationalStrategy
+        >>> class DecoupledGP(gpytorch.models.ApproximateGP):
+        ...     def __init__(self, beta, alpha):
+        ...         q = DecoupledVariationalDistribution(alpha.size(0), beta.size(0))
+        ...         super().__init__(DecoupledVariationalStrategy(self, beta, q, alpha))
+        ...         self.mean_module = gpytorch.means.ZeroMean()
+        ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        ...     def forward(self, x):
+        ...         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+        >>> x = torch.linspace(-3, 3, 500).unsqueeze(-1)
+        >>> y = torch.sin(2 * x.squeeze(-1)) + 0.1 * torch.randn(500)
+        >>> model, likelihood = DecoupledGP(x[::25].clone(), x[::5].clone()), gpytorch.likelihoods.GaussianLikelihood()
+        >>> mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=500)
+        >>> optimizer = torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=0.01)
+        >>> for _ in range(20):
+        ...     optimizer.zero_grad()
+        ...     loss = -mll(model(x), y)
+        ...     loss.backward()
+        ...     optimizer.step()
+        >>> model.eval()(x[:3]).variance.le(model(x[:3], prior=True).variance).all()
+        tensor(True)
+
+    .. _Cheng & Boots (2017):
+        https://arxiv.org/abs/1711.10127
+    """
+
+    def __init__(
+        self,
+        model: ApproximateGP,
+        inducing_points: Tensor,
+        variational_distribution: DecoupledVariationalDistribution,
+        mean_inducing_points: Tensor,
+        learn_inducing_locations: bool = True,
+        num_kl_columns: int | None = 64,
+        kl_block_size: int = 4096,
+        jacobi_preconditioning: bool = False,
+        jitter_val: float | None = None,
+    ):
+        if not isinstance(variational_distribution, DecoupledVariationalDistribution):
+            raise TypeError(
+                "DecoupledVariationalStrategy needs a DecoupledVariationalDistribution, got "
+                f"{type(variational_distribution).__name__}."
+            )
+        super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
+        self._init_mean_basis(mean_inducing_points, learn_inducing_locations, num_kl_columns, kl_block_size)
+        sizes = (self.mean_inducing_points.size(-2), self.inducing_points.size(-2))
+        if (variational_distribution.num_mean_points, variational_distribution.num_inducing_points) != sizes:
+            raise ValueError(
+                f"the variational distribution is for M_alpha={variational_distribution.num_mean_points}, "
+                f"M_beta={variational_distribution.num_inducing_points}, but the bases have sizes {sizes}."
+            )
+        self.jacobi_preconditioning = jacobi_preconditioning
+
+    # ------------------------------------------------------------------ parameters
+    def _prior_variances(self, points: Tensor) -> Tensor:
+        return self.model.forward(points).lazy_covariance_matrix.diagonal(dim1=-2, dim2=-1)
+
+    @property
+    def mean_coefficients(self) -> Tensor:
+        r""":math:`\mathbf a`, ``(..., M_alpha)``."""
+        coefficients = self.variational_distribution.mean_coefficients
+        if self.jacobi_preconditioning:
+            coefficients = coefficients / self._prior_variances(self.mean_inducing_points)
+        return coefficients
+
+    @property
+    def precision_factor(self) -> Tensor:
+        r""":math:`\mathbf L_B`, ``(..., M_beta, M_beta)`` lower triangular."""
+        factor = self.variational_distribution.precision_factor
+        if self.jacobi_preconditioning:
+            factor = factor / self._prior_variances(self.inducing_points).unsqueeze(-1)
+        return factor
+
+    @property
+    @cached(name="prior_distribution_memo")
+    def prior_distribution(self) -> MultivariateNormal:
+        r"""The prior :math:`p(f(\beta)) = \mathcal N(\mu_0(\beta), \mathbf K_\beta)` at the covariance basis."""
+        return self.model.forward(self.inducing_points)
+
+    def _inner_cholesky(self, beta_covariance: Tensor) -> Tensor:
+        r"""
+        Float64 Cholesky factor :math:`\mathbf R` of :math:`\mathbf H = \mathbf I + \mathbf L_B^\top\mathbf K_\beta
+        \mathbf L_B`, cached for the KL of the same step and for predictions in eval mode.
+        """
+        if _is_in_cache_ignore_args(self, "inner_cholesky"):
+            chol = _get_from_cache_ignore_args(self, "inner_cholesky")
+            if chol.shape[:-2] == beta_covariance.shape[:-2]:
+                return chol
+        factor = self.precision_factor.double()
+        inner = factor.mT @ beta_covariance.double() @ factor
+        inner = inner + torch.eye(inner.size(-1), dtype=inner.dtype, device=inner.device)
+        chol = jittered_cholesky(inner, jitter=self._jitter_val, name="DecoupledVariationalStrategy H")
+        return _add_to_cache_ignore_args(self, "inner_cholesky", chol)
+
+    # ------------------------------------------------------------------ GPyTorch interface
+    def forward(
+        self,
+        x: Tensor,
+        inducing_points: Tensor,
+        inducing_values: Tensor | None = None,
+        variational_inducing_covar=None,
+        diag: bool = True,
+        **kwargs,
+    ) -> MultivariateNormal:
+        num_beta = inducing_points.size(-2)
+        joint = self.model.forward(torch.cat([inducing_points, x], dim=-2), **kwargs)
+        joint_covariance = joint.lazy_covariance_matrix
+        beta_covariance = joint_covariance[..., :num_beta, :num_beta].to_dense()
+        beta_data = joint_covariance[..., :num_beta, num_beta:].to_dense()
+        data_covariance = joint_covariance[..., num_beta:, num_beta:]
+
+        chol = self._inner_cholesky(beta_covariance)
+        factor = self.precision_factor
+        # V = R^-1 L_B^T K_bx, so that the variance reduction is ||V_:n||^2 (spec §3.2)
+        reduction = solve_lower(chol.to(beta_data.dtype), factor.mT @ beta_data)
+        _, mean_values = self._fused_mean_basis_values(x, [], **kwargs)
+        mean = joint.mean[..., num_beta:] + mean_values
+        if diag and self.training:
+            variance = data_covariance.diagonal(dim1=-2, dim2=-1) - reduction.pow(2).sum(-2)
+            return MultivariateNormal(mean, DiagLinearOperator(variance))
+        return MultivariateNormal(mean, data_covariance + MatmulLinearOperator(reduction.mT.neg(), reduction))
+
+    def kl_divergence(self) -> Tensor:
+        chol = self._inner_cholesky(self.prior_distribution.lazy_covariance_matrix.to_dense())
+        eye = torch.eye(chol.size(-1), dtype=chol.dtype, device=chol.device)
+        trace_inverse = solve_lower(chol, eye).pow(2).sum((-2, -1))
+        covariance_kl = 0.5 * (cholesky_logdet(chol) + trace_inverse - chol.size(-1))
+        return 0.5 * self.mean_basis_quadratic_form() + covariance_kl.to(self.inducing_points.dtype)
+
+    def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
+        x = self._checked_inputs(x)
+        if prior:
+            return self.model.forward(x, **kwargs)
+        if self.training:
+            self._clear_cache()
+        inducing_points = self.inducing_points
+        if inducing_points.shape[:-2] != x.shape[:-2]:
+            x, inducing_points = self._expand_inputs(x, inducing_points)
+        return Module.__call__(self, x, inducing_points, diag=diag, **kwargs)
