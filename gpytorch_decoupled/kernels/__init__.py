@@ -1,3 +1,6 @@
-"""kernels of gpytorch_decoupled (populated by the method families as they land)."""
+"""Kernels and hyperparameter initialisation for the decoupled sparse variational GPs."""
 
-__all__: list[str] = []
+from .generalized_rbf_kernel import GeneralizedRBFKernel
+from .median_heuristic import initialize_hyperparameters, median_lengthscales
+
+__all__ = ["GeneralizedRBFKernel", "initialize_hyperparameters", "median_lengthscales"]

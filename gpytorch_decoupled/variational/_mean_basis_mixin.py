@@ -50,6 +50,16 @@ class _MeanBasisMixin:
         self.num_kl_columns = num_kl_columns
         self.kl_block_size = kl_block_size
 
+    @torch.no_grad()
+    def _append_mean_points(self, points: Tensor, coefficients: Tensor) -> None:
+        """Appends mean-basis points with zero coefficients (stored in ``coefficients``): the process is unchanged."""
+        points = self._checked_inputs(points)
+        if points.dim() != 2:
+            raise ValueError(f"new mean basis points must have shape (n, D), got {tuple(points.shape)}.")
+        self.mean_inducing_points.data = torch.cat([self.mean_inducing_points, points])
+        padding = coefficients.new_zeros(*coefficients.shape[:-1], points.size(-2))
+        coefficients.data = torch.cat([coefficients, padding], dim=-1)
+
     # ------------------------------------------------------------------ kernel blocks
     def _cross_covariance(self, x1: Tensor, x2: Tensor, **kwargs) -> Tensor:
         """Dense prior covariance between two input sets through ``model.forward`` (only that block is evaluated)."""

@@ -91,5 +91,66 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
         svgp = super().forward(x, inducing_points, block_mean, variational_inducing_covar, diag=diag, **kwargs)
         return MultivariateNormal(svgp.mean + data_values, svgp.lazy_covariance_matrix)
 
+    @torch.no_grad()
+    def grow_bases(self, mean_points: Tensor | None = None, inducing_points: Tensor | None = None) -> None:
+        r"""
+        Appends points to the mean basis :math:`\gamma` (coefficients 0) and to the covariance basis :math:`\beta`
+        without changing the process :math:`q` (spec §6.1, up to the jitter on :math:`\mathbf K_\beta`). For
+        :math:`\beta \to \beta'` the new :math:`q(\mathbf u_{\beta'})` is the current process at :math:`\beta'`:
+        its covariance is :math:`s_q(\beta', \beta')` and the :math:`\beta` block's mean is interpolated,
+        :math:`\mathbf K_{\beta'\beta}\mathbf K_\beta^{-1}` times the old one. The leading entries of the whitened
+        parameters keep their values, so zero-padded optimizer state stays valid
+        (:class:`~gpytorch_decoupled.optim.OnlineBasisGrowth` does that). Exact for full-covariance distributions;
+        a mean-field distribution keeps only the diagonal of the new :math:`\mathbf S_w`.
+
+        :param mean_points: New :math:`\gamma` points, ``(n, D)``.
+        :param inducing_points: New :math:`\beta` points, ``(n, D)``, shared by every latent of the batch.
+        """
+        self._clear_cache()
+        if inducing_points is not None:
+            old = self.inducing_points
+            points = self._checked_inputs(inducing_points).expand(*old.shape[:-2], -1, -1)
+            new = torch.cat([old, points], dim=-2)
+            q = self.variational_distribution
+            block_mean = self._covariance_block_mean(q.mean)
+            # A = L^-1 K_{b b'}: the old whitened coordinates of the new basis functions
+            chol = self._beta_cholesky()
+            projection = chol.solve(self._cross_covariance(old, new).type(chol.dtype)).type(old.dtype)
+            eye = torch.eye(old.size(-2), dtype=old.dtype, device=old.device)
+            new_covariance = self.model.forward(new).lazy_covariance_matrix.add_jitter(self.jitter_val).to_dense()
+            new_covariance = new_covariance + projection.mT @ (q.covariance_matrix - eye) @ projection
+            unwhitened_block = (projection.mT @ block_mean.unsqueeze(-1)).squeeze(-1)
+            self.inducing_points.data = new
+            self._clear_cache()
+        if mean_points is not None:
+            self._append_mean_points(mean_points, self.mean_coefficients)
+            self._clear_cache()
+        if inducing_points is not None:
+            new_chol = self._beta_cholesky()
+            whitened_block = new_chol.solve(unwhitened_block.unsqueeze(-1).type(new_chol.dtype)).squeeze(-1)
+            whitened_covariance = new_chol.solve(new_chol.solve(new_covariance.type(new_chol.dtype)).mT)
+            shift = -self._covariance_block_mean(torch.zeros_like(whitened_block))
+            self._resize_variational_distribution(
+                MultivariateNormal(whitened_block + shift, whitened_covariance.type(old.dtype))
+            )
+            self._clear_cache()
+
+    def _resize_variational_distribution(self, target: MultivariateNormal) -> None:
+        """Gives the whitened distribution the size and value of ``target`` (its parameters keep their identity)."""
+        distribution = self._variational_distribution
+        old_size, new_size = distribution.num_inducing_points, target.mean.size(-1)
+        for parameter in distribution.parameters(recurse=False):
+            shape = list(parameter.shape)
+            for dim in range(1, 3):
+                if len(shape) >= dim and shape[-dim] == old_size:
+                    shape[-dim] = new_size
+            parameter.data = parameter.new_zeros(shape)
+        distribution.num_inducing_points = new_size
+        mean_init_std, distribution.mean_init_std = distribution.mean_init_std, 0.0
+        try:
+            distribution.initialize_variational_distribution(target)
+        finally:
+            distribution.mean_init_std = mean_init_std
+
     def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
         return super().__call__(self._checked_inputs(x), prior=prior, diag=diag, **kwargs)

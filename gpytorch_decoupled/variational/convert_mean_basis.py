@@ -78,13 +78,9 @@ def convert_mean_basis(
         missing = [name for name in missing if "._variational_distribution." not in f".{name}"]
         if missing or unexpected:
             raise ValueError(f"the two models differ in structure: missing {missing}, unexpected {unexpected}.")
-        mapped = MultivariateNormal(source_distribution.mean + shift, source_distribution.covariance_matrix)
-        distribution = target._variational_distribution
-        mean_init_std, distribution.mean_init_std = distribution.mean_init_std, 0.0
-        try:
-            distribution.initialize_variational_distribution(mapped)
-        finally:
-            distribution.mean_init_std = mean_init_std
+        target._resize_variational_distribution(
+            MultivariateNormal(source_distribution.mean + shift, source_distribution.covariance_matrix)
+        )
         target.variational_params_initialized.fill_(1)
     for strategy in (source, target):
         strategy._clear_cache()

@@ -171,6 +171,30 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, _Variationa
         chol = jittered_cholesky(inner, jitter=self._jitter_val, name="DecoupledVariationalStrategy H")
         return _add_to_cache_ignore_args(self, "inner_cholesky", chol)
 
+    @torch.no_grad()
+    def grow_bases(self, mean_points: Tensor | None = None, inducing_points: Tensor | None = None) -> None:
+        r"""
+        Appends points to the mean basis :math:`\alpha` (coefficients 0) and to the covariance basis :math:`\beta`
+        (zero rows and columns of :math:`\mathbf L_B`), which leaves the process :math:`q` exactly unchanged (spec
+        §6.1); :class:`~gpytorch_decoupled.optim.OnlineBasisGrowth` grows the bases from mini-batches this way.
+
+        :param mean_points: New :math:`\alpha` points, ``(n, D)``.
+        :param inducing_points: New :math:`\beta` points, ``(n, D)``, shared by every latent of the batch.
+        """
+        distribution = self._variational_distribution
+        if mean_points is not None:
+            self._append_mean_points(mean_points, distribution.mean_coefficients)
+            distribution.num_mean_points = self.mean_inducing_points.size(-2)
+        if inducing_points is not None:
+            old = self.inducing_points
+            points = self._checked_inputs(inducing_points).expand(*old.shape[:-2], -1, -1)
+            self.inducing_points.data = torch.cat([old, points], dim=-2)
+            factor = distribution.precision_factor
+            padding = (0, points.size(-2), 0, points.size(-2))
+            factor.data = torch.nn.functional.pad(factor, padding)
+            distribution.num_inducing_points = self.inducing_points.size(-2)
+        self._clear_cache()
+
     # ------------------------------------------------------------------ GPyTorch interface
     def forward(
         self,

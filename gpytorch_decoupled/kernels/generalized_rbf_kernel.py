@@ -1,0 +1,151 @@
+from __future__ import annotations
+
+import math
+
+import torch
+from gpytorch import settings
+from gpytorch.kernels import Kernel
+from torch import Tensor
+
+
+class GeneralizedRBFKernel(Kernel):
+    r"""
+    The generalised SE-ARD kernel of `Cheng & Boots (2017)`_ (eq. 19), in which every variational basis function
+    :math:`\mathbf z` carries its own length-scales :math:`l_{\mathbf z,d} = s_d\, c_{\mathbf z,d}` (multipliers
+    :math:`c_{\mathbf z,d} > 0`), while data points have :math:`c = 1`:
+
+    .. math::
+
+       \begin{equation*}
+          k(\mathbf z, \mathbf z') = \prod_{d=1}^D \left( \frac{2\, l_{\mathbf z,d}\, l_{\mathbf z',d}}
+          {l_{\mathbf z,d}^2 + l_{\mathbf z',d}^2} \right)^{1/2}
+          \exp\left( -\frac{(z_d - z'_d)^2}{l_{\mathbf z,d}^2 + l_{\mathbf z',d}^2} \right).
+       \end{equation*}
+
+    With :math:`c \equiv 1` it is exactly :class:`gpytorch.kernels.RBFKernel` with ARD length-scales :math:`s_d`.
+    It is a product of one-dimensional Gibbs kernels and hence positive semi-definite jointly over data and basis
+    points; its diagonal is 1.
+
+    The multipliers travel as trailing input columns. An input row of width :math:`D` is a data point
+    (:math:`c = 1`); a row of width :math:`2D` is a basis point :math:`[\mathbf z, \log \mathbf c]`, so any real
+    log-multiplier is valid and a learned inducing-point tensor of shape :math:`M \times 2D` learns locations and
+    multipliers together (build one with :meth:`basis_points`). Direct calls accept inputs of different widths (rows of
+    width :math:`D` get :math:`\log c = 0`); wrappers such as :class:`gpytorch.kernels.ScaleKernel` require equal
+    widths, so pad data points with :meth:`basis_points` there.
+
+    .. note::
+
+        This kernel does not have an `outputscale` parameter. To add a scaling parameter :math:`\rho^2`,
+        decorate this kernel with a :class:`gpytorch.kernels.ScaleKernel`.
+
+    :param ard_num_dims: The data dimension :math:`D` (required: it tells data rows from basis rows).
+    :param kwargs: Passed to :class:`gpytorch.kernels.Kernel` (`batch_shape`, `lengthscale_prior`,
+        `lengthscale_constraint`). `active_dims` is not supported.
+
+    :ivar torch.Tensor lengthscale: The shared length-scales :math:`s_d`, of shape `(*batch_shape, 1, D)`.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpytorch_decoupled.kernels import GeneralizedRBFKernel
+        >>> kernel = GeneralizedRBFKernel(ard_num_dims=3)
+        >>> x = torch.randn(10, 3)  # data points, c = 1
+        >>> z = GeneralizedRBFKernel.basis_points(torch.randn(4, 3), multipliers=torch.full((4, 3), 2.0))
+        >>> kernel(x, z).shape
+        torch.Size([10, 4])
+        >>> covar_module = gpytorch.kernels.ScaleKernel(kernel)
+        >>> covar_module(GeneralizedRBFKernel.basis_points(x), z).shape
+        torch.Size([10, 4])
+        >>> kernel(z, diag=True)
+        tensor([1., 1., 1., 1.], grad_fn=<ExpBackward0>)
+
+    .. _Cheng & Boots (2017):
+        https://arxiv.org/abs/1711.10127
+    """
+
+    has_lengthscale = True
+
+    def __init__(self, ard_num_dims: int | None = None, **kwargs):
+        if ard_num_dims is None:
+            raise ValueError(
+                "GeneralizedRBFKernel needs ard_num_dims, the data dimension D (basis rows have width 2D)."
+            )
+        if kwargs.get("active_dims") is not None:
+            raise ValueError("GeneralizedRBFKernel does not support active_dims; select the columns before calling it.")
+        super().__init__(ard_num_dims=ard_num_dims, **kwargs)
+
+    @property
+    def data_dim(self) -> int:
+        """The data dimension :math:`D`: data rows have width :math:`D`, basis rows :math:`2D`."""
+        return self.ard_num_dims
+
+    @property
+    def basis_parameter_dims(self) -> int:
+        """
+        Trailing columns that basis rows carry beyond the data (the :math:`D` log-multipliers). The strategies of
+        :mod:`gpytorch_decoupled.variational` read it to accept inducing points of width :math:`2D` with data of width
+        :math:`D`, padding the data rows with zeros (:math:`c = 1`).
+        """
+        return self.ard_num_dims
+
+    @staticmethod
+    def basis_points(points: Tensor, multipliers: Tensor | None = None) -> Tensor:
+        r"""
+        Basis rows :math:`[\mathbf z, \log \mathbf c]` from locations and multipliers.
+
+        :param points: Locations, `(..., M, D)`.
+        :param multipliers: Positive multipliers :math:`\mathbf c`, broadcastable to `points` (default: ones).
+        :return: `(..., M, 2D)`.
+        """
+        log_c = torch.zeros_like(points) if multipliers is None else multipliers.log().expand_as(points)
+        return torch.cat([points, log_c], dim=-1)
+
+    def split_basis_points(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """
+        The inverse of :meth:`basis_points`: locations and multipliers of rows of width :math:`D` or :math:`2D`.
+
+        :param x: `(..., M, D)` or `(..., M, 2D)`.
+        :return: Locations and multipliers, each `(..., M, D)` (multipliers are ones for rows of width :math:`D`).
+        """
+        z, log_c = self._split(x)
+        return z, torch.ones_like(z) if log_c is None else log_c.exp()
+
+    def _split(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        d = self.ard_num_dims
+        if x.size(-1) == d:
+            return x, None
+        if x.size(-1) == 2 * d:
+            return x[..., :d], x[..., d:]
+        raise ValueError(
+            f"GeneralizedRBFKernel(ard_num_dims={d}) expects inputs of width {d} (data points) or {2 * d} "
+            f"(basis points [z, log c]), got width {x.size(-1)}."
+        )
+
+    def __call__(self, x1: Tensor, x2: Tensor | None = None, **params):
+        for x in (x1, x2):
+            if x is not None and x.dim() > 1:
+                self._split(x)  # validates the width eagerly, before the lazy evaluation
+        if x2 is not None and x1.dim() > 1 and x2.dim() > 1 and x1.size(-1) != x2.size(-1):
+            # Kernel.__call__ needs equal widths: give the data rows log c = 0.
+            x1, x2 = (x if x.size(-1) == 2 * self.ard_num_dims else self.basis_points(x) for x in (x1, x2))
+        # Kernel.__call__'s debug check requires width == ard_num_dims, which basis rows (width 2D) break by design.
+        with settings.debug(False):
+            return super().__call__(x1, x2, **params)
+
+    def forward(self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params) -> Tensor:
+        if last_dim_is_batch:
+            raise NotImplementedError("GeneralizedRBFKernel does not support last_dim_is_batch.")
+        z1, log_c1 = self._split(x1)
+        z2, log_c2 = self._split(x2)
+        lengthscale = self.lengthscale
+        z1, z2 = z1.div(lengthscale), z2.div(lengthscale)
+        if log_c1 is None and log_c2 is None:  # plain SE-ARD, as RBFKernel computes it
+            return self.covar_dist(z1, z2, square_dist=True, diag=diag, **params).div(-2).exp()
+        log_c1 = torch.zeros_like(x1) if log_c1 is None else log_c1
+        log_c2 = torch.zeros_like(x2) if log_c2 is None else log_c2
+        if not diag:
+            z1, log_c1 = z1.unsqueeze(-2), log_c1.unsqueeze(-2)  # (..., N, 1, D)
+            z2, log_c2 = z2.unsqueeze(-3), log_c2.unsqueeze(-3)  # (..., 1, M, D)
+        # In units of s_d: l = c, so log(l^2 + l'^2) = logaddexp(2 log c, 2 log c'); the product is a sum of logs.
+        log_sum = torch.logaddexp(2 * log_c1, 2 * log_c2)
+        log_k = 0.5 * (math.log(2) + (log_c1 + log_c2) - log_sum) - (z1 - z2).square().mul(log_sum.neg().exp())
+        return log_k.sum(-1).exp()

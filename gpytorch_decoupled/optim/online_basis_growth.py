@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from gpytorch.likelihoods import Likelihood
+from gpytorch.models import ApproximateGP
+from torch import Tensor
+
+from ..kernels import initialize_hyperparameters
+
+
+class OnlineBasisGrowth:
+    r"""
+    The online learning procedure of `Cheng & Boots (2017)`_ (Algorithm 1; spec §6.1) for the decoupled, hybrid and
+    orthogonally decoupled strategies: call :meth:`step` with every mini-batch, before the optimizers' steps.
+
+    1. On the first mini-batch the hyperparameters start from the median trick
+       (:func:`~gpytorch_decoupled.kernels.initialize_hyperparameters`: length-scales the median pairwise distance per
+       dimension, amplitude 1, Gaussian noise the variance of the targets).
+    2. Each step takes ``points_per_step`` rows of the mini-batch as new basis functions, the same rows for the mean
+       and the covariance basis (so that the two stay in a close subspace), until each basis has reached its budget.
+       The strategy's ``grow_bases`` appends them without changing the current :math:`q` (coefficients 0, zero rows
+       of :math:`\mathbf L_B`, or the current process at the new covariance points), and the state of the given
+       optimizers is zero-padded to the new shapes, so training simply goes on.
+
+    With :class:`~gpytorch_decoupled.kernels.GeneralizedRBFKernel` the new points get length-scale multipliers 1.
+
+    :param model: An :class:`~gpytorch.models.ApproximateGP` whose strategy (possibly inside a multitask wrapper) has
+        ``grow_bases``.
+    :param max_mean_points: Budget :math:`M_\alpha` (or :math:`M_\gamma`) of the mean basis.
+    :param max_inducing_points: Budget :math:`M_\beta` of the covariance basis.
+    :param points_per_step: Rows :math:`N_\Delta` of each mini-batch added to each basis.
+    :param optimizers: Optimizers over the model's parameters whose state must follow the new shapes.
+    :param likelihood: Gaussian likelihood whose noise the median trick initializes (optional).
+    :param initialize: Apply the median trick on the first mini-batch.
+    :param generator: Random generator choosing the rows.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpytorch_decoupled.optim import OnlineBasisGrowth
+        >>> from gpytorch_decoupled.variational import DecoupledVariationalDistribution, DecoupledVariationalStrategy
+        >>> class DecoupledGP(gpytorch.models.ApproximateGP):
+        ...     def __init__(self, x):  # start from one point of the first batch
+        ...         q = DecoupledVariationalDistribution(1, 1)
+        ...         super().__init__(DecoupledVariationalStrategy(self, x[:1], q, x[:1]))
+        ...         self.mean_module = gpytorch.means.ZeroMean()
+        ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=1))
+        ...     def forward(self, x):
+        ...         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+        >>> x = torch.rand(2000, 1) * 6
+        >>> y = torch.sin(2 * x.squeeze(-1)) + 0.1 * torch.randn(2000)
+        >>> model, likelihood = DecoupledGP(x), gpytorch.likelihoods.GaussianLikelihood()
+        >>> mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=2000)
+        >>> optimizer = torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=0.01)
+        >>> growth = OnlineBasisGrowth(model, 200, 20, 10, optimizers=[optimizer], likelihood=likelihood)
+        >>> for batch in torch.randperm(2000).split(100):
+        ...     _ = growth.step(x[batch], y[batch])
+        ...     optimizer.zero_grad()
+        ...     (-mll(model(x[batch]), y[batch])).backward()
+        ...     optimizer.step()
+        >>> model.variational_strategy.mean_inducing_points.shape, model.variational_strategy.inducing_points.shape
+        (torch.Size([200, 1]), torch.Size([20, 1]))
+
+    .. _Cheng & Boots (2017):
+        https://arxiv.org/abs/1711.10127
+    """
+
+    def __init__(
+        self,
+        model: ApproximateGP,
+        max_mean_points: int,
+        max_inducing_points: int,
+        points_per_step: int,
+        optimizers: Iterable[torch.optim.Optimizer] = (),
+        likelihood: Likelihood | None = None,
+        initialize: bool = True,
+        generator: torch.Generator | None = None,
+    ):
+        strategy = getattr(model.variational_strategy, "base_variational_strategy", model.variational_strategy)
+        if not hasattr(strategy, "grow_bases"):
+            raise TypeError(f"{type(strategy).__name__} cannot grow its bases (no grow_bases method).")
+        if points_per_step < 1:
+            raise ValueError(f"points_per_step must be positive, got {points_per_step}.")
+        self.model = model
+        self.strategy = strategy
+        self.max_mean_points = max_mean_points
+        self.max_inducing_points = max_inducing_points
+        self.points_per_step = points_per_step
+        self.optimizers = list(optimizers)
+        self.likelihood = likelihood
+        self.initialize = initialize
+        self.generator = generator
+
+    def step(self, x: Tensor, y: Tensor | None = None) -> tuple[int, int]:
+        """
+        Grows the bases from the mini-batch ``x`` (and, on the first call, initializes the hyperparameters).
+
+        :return: The numbers of points added to the mean and to the covariance basis.
+        """
+        if self.initialize:
+            initialize_hyperparameters(self.model.covar_module, x, y, self.likelihood)
+            self.initialize = False
+        num_mean = self._room(self.strategy.mean_inducing_points, self.max_mean_points, x)
+        num_covariance = self._room(self.strategy.inducing_points, self.max_inducing_points, x)
+        if num_mean or num_covariance:
+            rows = torch.randperm(x.size(-2), generator=self.generator)[: max(num_mean, num_covariance)]
+            rows = rows.to(x.device)
+            old_shapes = {parameter: parameter.shape for parameter in self.model.parameters()}
+            self.strategy.grow_bases(
+                x[rows[:num_mean]] if num_mean else None, x[rows[:num_covariance]] if num_covariance else None
+            )
+            for optimizer in self.optimizers:
+                _pad_optimizer_state(optimizer, old_shapes)
+        return num_mean, num_covariance
+
+    def _room(self, points: Tensor, budget: int, x: Tensor) -> int:
+        return max(0, min(self.points_per_step, budget - points.size(-2), x.size(-2)))
+
+
+def _pad_optimizer_state(optimizer: torch.optim.Optimizer, old_shapes: dict[torch.nn.Parameter, torch.Size]) -> None:
+    """Zero-pads the per-parameter state (e.g. Adam's moments) of every parameter whose shape grew."""
+    for parameter, old_shape in old_shapes.items():
+        if parameter.shape == old_shape or parameter not in optimizer.state:
+            continue
+        state = optimizer.state[parameter]
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.shape == old_shape:
+                padded = value.new_zeros(parameter.shape)
+                padded[tuple(slice(0, size) for size in old_shape)] = value
+                state[key] = padded
