@@ -21,8 +21,9 @@ class OnlineBasisGrowth:
     2. Each step takes ``points_per_step`` rows of the mini-batch as new basis functions, the same rows for the mean
        and the covariance basis (so that the two stay in a close subspace), until each basis has reached its budget.
        The strategy's ``grow_bases`` appends them without changing the current :math:`q` (coefficients 0, zero rows
-       of :math:`\mathbf L_B`, or the current process at the new covariance points), and the state of the given
-       optimizers is zero-padded to the new shapes, so training simply goes on.
+       of :math:`\mathbf L_B`, or the current process at the new covariance points). Grown tensors are new
+       :class:`~torch.nn.Parameter` objects: the given optimizers get them in place of the old ones, with their state
+       zero-padded to the new shapes, so training simply goes on. Pass every optimizer that holds model parameters.
 
     With :class:`~gpytorch_decoupled.kernels.GeneralizedRBFKernel` the new points get length-scale multipliers 1.
 
@@ -106,26 +107,35 @@ class OnlineBasisGrowth:
         if num_mean or num_covariance:
             rows = torch.randperm(x.size(-2), generator=self.generator)[: max(num_mean, num_covariance)]
             rows = rows.to(x.device)
-            old_shapes = {parameter: parameter.shape for parameter in self.model.parameters()}
+            before = dict(self.model.named_parameters())
             self.strategy.grow_bases(
                 x[rows[:num_mean]] if num_mean else None, x[rows[:num_covariance]] if num_covariance else None
             )
+            replaced = {
+                before[name]: parameter
+                for name, parameter in self.model.named_parameters()
+                if name in before and before[name] is not parameter
+            }
             for optimizer in self.optimizers:
-                _pad_optimizer_state(optimizer, old_shapes)
+                _swap_parameters(optimizer, replaced)
         return num_mean, num_covariance
 
     def _room(self, points: Tensor, budget: int, x: Tensor) -> int:
         return max(0, min(self.points_per_step, budget - points.size(-2), x.size(-2)))
 
 
-def _pad_optimizer_state(optimizer: torch.optim.Optimizer, old_shapes: dict[torch.nn.Parameter, torch.Size]) -> None:
-    """Zero-pads the per-parameter state (e.g. Adam's moments) of every parameter whose shape grew."""
-    for parameter, old_shape in old_shapes.items():
-        if parameter.shape == old_shape or parameter not in optimizer.state:
+def _swap_parameters(optimizer: torch.optim.Optimizer, replaced: dict[Tensor, torch.nn.Parameter]) -> None:
+    """Puts the grown parameters in place of the old ones, with their per-parameter state (e.g. Adam's moments)
+    zero-padded to the new shapes: the leading entries keep their meaning after growth."""
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(parameter, parameter) for parameter in group["params"]]
+    for old, new in replaced.items():
+        if old not in optimizer.state:
             continue
-        state = optimizer.state[parameter]
+        state = optimizer.state.pop(old)
         for key, value in state.items():
-            if torch.is_tensor(value) and value.shape == old_shape:
-                padded = value.new_zeros(parameter.shape)
-                padded[tuple(slice(0, size) for size in old_shape)] = value
+            if torch.is_tensor(value) and value.shape == old.shape:
+                padded = value.new_zeros(new.shape)
+                padded[tuple(slice(0, size) for size in old.shape)] = value
                 state[key] = padded
+        optimizer.state[new] = state

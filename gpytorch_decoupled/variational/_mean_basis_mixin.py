@@ -5,6 +5,7 @@ from gpytorch.utils.memoize import _add_to_cache_ignore_args, _get_from_cache_ig
 from torch import Tensor
 
 from ..linalg import column_sampled_quadratic_form
+from ._replace_tensor import replace_tensor
 
 
 class _MeanBasisMixin:
@@ -51,14 +52,14 @@ class _MeanBasisMixin:
         self.kl_block_size = kl_block_size
 
     @torch.no_grad()
-    def _append_mean_points(self, points: Tensor, coefficients: Tensor) -> None:
-        """Appends mean-basis points with zero coefficients (stored in ``coefficients``): the process is unchanged."""
-        points = self._checked_inputs(points)
+    def _append_mean_points(self, points: Tensor, owner: torch.nn.Module) -> None:
+        """Appends mean-basis points with zero coefficients (``owner.mean_coefficients``): the process is unchanged."""
         if points.dim() != 2:
             raise ValueError(f"new mean basis points must have shape (n, D), got {tuple(points.shape)}.")
-        self.mean_inducing_points.data = torch.cat([self.mean_inducing_points, points])
+        replace_tensor(self, "mean_inducing_points", torch.cat([self.mean_inducing_points, points]))
+        coefficients = owner.mean_coefficients
         padding = coefficients.new_zeros(*coefficients.shape[:-1], points.size(-2))
-        coefficients.data = torch.cat([coefficients, padding], dim=-1)
+        replace_tensor(owner, "mean_coefficients", torch.cat([coefficients, padding], dim=-1))
 
     # ------------------------------------------------------------------ kernel blocks
     def _cross_covariance(self, x1: Tensor, x2: Tensor, **kwargs) -> Tensor:

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ._cache_safe_mixin import _CacheSafeMixin
 from ._mean_basis_mixin import _MeanBasisMixin
+from ._replace_tensor import replace_tensor
 
 
 class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, VariationalStrategy):
@@ -69,8 +70,11 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
         coordinates = chol.solve(beta_values.unsqueeze(-1).type(chol.dtype)).squeeze(-1).type(beta_values.dtype)
         return _add_to_cache_ignore_args(self, "residual_coordinates", coordinates)
 
-    def _covariance_block_mean(self, inducing_values: Tensor) -> Tensor:
-        r"""The whitened mean the SVGP block interpolates, given the variational mean :math:`\mathbf m_w`."""
+    def _covariance_block_mean(self, inducing_values: Tensor, coordinates: Tensor) -> Tensor:
+        r"""
+        The whitened mean the SVGP block interpolates, given the variational mean :math:`\mathbf m_w` and the residual
+        coordinates :math:`\mathbf c`.
+        """
         raise NotImplementedError
 
     def forward(
@@ -87,7 +91,7 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
         else:
             (beta_values,), data_values = self._fused_mean_basis_values(x, [self.inducing_points], **kwargs)
             self._cache_residual_coordinates(beta_values)
-        block_mean = self._covariance_block_mean(inducing_values)
+        block_mean = self._covariance_block_mean(inducing_values, self.residual_coordinates())
         svgp = super().forward(x, inducing_points, block_mean, variational_inducing_covar, diag=diag, **kwargs)
         return MultivariateNormal(svgp.mean + data_values, svgp.lazy_covariance_matrix)
 
@@ -107,44 +111,52 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
         :param inducing_points: New :math:`\beta` points, ``(n, D)``, shared by every latent of the batch.
         """
         self._clear_cache()
+        # Everything is validated and computed before the first change, so a failure leaves the model as it was.
+        mean_points = None if mean_points is None else self._checked_inputs(mean_points)
+        target = None
         if inducing_points is not None:
             old = self.inducing_points
-            points = self._checked_inputs(inducing_points).expand(*old.shape[:-2], -1, -1)
-            new = torch.cat([old, points], dim=-2)
+            new = torch.cat([old, self._checked_inputs(inducing_points).expand(*old.shape[:-2], -1, -1)], dim=-2)
             q = self.variational_distribution
-            block_mean = self._covariance_block_mean(q.mean)
-            # A = L^-1 K_{b b'}: the old whitened coordinates of the new basis functions
-            chol = self._beta_cholesky()
-            projection = chol.solve(self._cross_covariance(old, new).type(chol.dtype)).type(old.dtype)
+            old_chol = self._beta_cholesky()
+            block_mean = self._covariance_block_mean(q.mean, self.residual_coordinates())
+            # A = L^-1 K_{b b'}: the old whitened coordinates of the new covariance basis functions
+            projection = old_chol.solve(self._cross_covariance(old, new).type(old_chol.dtype)).type(old.dtype)
             eye = torch.eye(old.size(-2), dtype=old.dtype, device=old.device)
-            new_covariance = self.model.forward(new).lazy_covariance_matrix.add_jitter(self.jitter_val).to_dense()
-            new_covariance = new_covariance + projection.mT @ (q.covariance_matrix - eye) @ projection
+            new_prior = self.model.forward(new).lazy_covariance_matrix.add_jitter(self.jitter_val)
+            new_covariance = new_prior.to_dense() + projection.mT @ (q.covariance_matrix - eye) @ projection
             unwhitened_block = (projection.mT @ block_mean.unsqueeze(-1)).squeeze(-1)
-            self.inducing_points.data = new
+            # New gamma points come with zero coefficients, so the mean basis at beta' is known already.
+            new_values = self._mean_basis_values(new)
+            self._clear_cache()  # the next factor is of K_beta', not K_beta
+            new_chol = self._cholesky_factor(new_prior)
             self._clear_cache()
-        if mean_points is not None:
-            self._append_mean_points(mean_points, self.mean_coefficients)
-            self._clear_cache()
-        if inducing_points is not None:
-            new_chol = self._beta_cholesky()
-            whitened_block = new_chol.solve(unwhitened_block.unsqueeze(-1).type(new_chol.dtype)).squeeze(-1)
-            whitened_covariance = new_chol.solve(new_chol.solve(new_covariance.type(new_chol.dtype)).mT)
-            shift = -self._covariance_block_mean(torch.zeros_like(whitened_block))
-            self._resize_variational_distribution(
-                MultivariateNormal(whitened_block + shift, whitened_covariance.type(old.dtype))
+
+            def whiten(tensor: Tensor) -> Tensor:
+                return new_chol.solve(tensor.type(new_chol.dtype)).type(old.dtype)
+
+            whitened_block = whiten(unwhitened_block.unsqueeze(-1)).squeeze(-1)
+            shift = -self._covariance_block_mean(
+                torch.zeros_like(whitened_block), whiten(new_values.unsqueeze(-1)).squeeze(-1)
             )
-            self._clear_cache()
+            target = MultivariateNormal(whitened_block + shift, whiten(whiten(new_covariance).mT))
+            replace_tensor(self, "inducing_points", new)
+        if mean_points is not None:
+            self._append_mean_points(mean_points, self)
+        if target is not None:
+            self._resize_variational_distribution(target)
+        self._clear_cache()
 
     def _resize_variational_distribution(self, target: MultivariateNormal) -> None:
         """Gives the whitened distribution the size and value of ``target`` (its parameters keep their identity)."""
         distribution = self._variational_distribution
         old_size, new_size = distribution.num_inducing_points, target.mean.size(-1)
-        for parameter in distribution.parameters(recurse=False):
+        for name, parameter in list(distribution.named_parameters(recurse=False)):
             shape = list(parameter.shape)
             for dim in range(1, 3):
                 if len(shape) >= dim and shape[-dim] == old_size:
                     shape[-dim] = new_size
-            parameter.data = parameter.new_zeros(shape)
+            replace_tensor(distribution, name, parameter.new_zeros(shape))
         distribution.num_inducing_points = new_size
         mean_init_std, distribution.mean_init_std = distribution.mean_init_std, 0.0
         try:

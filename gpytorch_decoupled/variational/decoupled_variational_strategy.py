@@ -17,6 +17,7 @@ from torch import Tensor
 from ..linalg import cholesky_logdet, jittered_cholesky, solve_lower
 from ._cache_safe_mixin import _CacheSafeMixin
 from ._mean_basis_mixin import _MeanBasisMixin
+from ._replace_tensor import replace_tensor
 from .decoupled_variational_distribution import DecoupledVariationalDistribution
 
 
@@ -182,17 +183,19 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, _Variationa
         :param inducing_points: New :math:`\beta` points, ``(n, D)``, shared by every latent of the batch.
         """
         distribution = self._variational_distribution
-        if mean_points is not None:
-            self._append_mean_points(mean_points, distribution.mean_coefficients)
-            distribution.num_mean_points = self.mean_inducing_points.size(-2)
+        mean_points = None if mean_points is None else self._checked_inputs(mean_points)
         if inducing_points is not None:
             old = self.inducing_points
             points = self._checked_inputs(inducing_points).expand(*old.shape[:-2], -1, -1)
-            self.inducing_points.data = torch.cat([old, points], dim=-2)
-            factor = distribution.precision_factor
+            replace_tensor(self, "inducing_points", torch.cat([old, points], dim=-2))
             padding = (0, points.size(-2), 0, points.size(-2))
-            factor.data = torch.nn.functional.pad(factor, padding)
+            replace_tensor(
+                distribution, "precision_factor", torch.nn.functional.pad(distribution.precision_factor, padding)
+            )
             distribution.num_inducing_points = self.inducing_points.size(-2)
+        if mean_points is not None:
+            self._append_mean_points(mean_points, distribution)
+            distribution.num_mean_points = self.mean_inducing_points.size(-2)
         self._clear_cache()
 
     # ------------------------------------------------------------------ GPyTorch interface

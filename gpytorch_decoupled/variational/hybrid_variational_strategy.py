@@ -83,7 +83,7 @@ class HybridVariationalStrategy(_ResidualMeanVariationalStrategy):
         https://arxiv.org/abs/1711.10127
     """
 
-    def _covariance_block_mean(self, inducing_values: Tensor) -> Tensor:
+    def _covariance_block_mean(self, inducing_values: Tensor, coordinates: Tensor) -> Tensor:
         return inducing_values
 
     def kl_divergence(self) -> Tensor:

@@ -98,10 +98,10 @@ class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy)
         https://arxiv.org/abs/1809.08820
     """
 
-    def _covariance_block_mean(self, inducing_values: Tensor) -> Tensor:
+    def _covariance_block_mean(self, inducing_values: Tensor, coordinates: Tensor) -> Tensor:
         # Shifting the whitened mean by c turns the SVGP mean k_xb L^-T m_w into k_xb K_b^-1 (m_beta - K_bg a_g): the
         # projection term of the orthogonal basis costs no extra kernel evaluation against beta.
-        return inducing_values - self.residual_coordinates()
+        return inducing_values - coordinates
 
     def residual_variances(self) -> Tensor:
         r"""
