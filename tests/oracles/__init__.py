@@ -7,11 +7,23 @@ matrices (so any kernel can be used), add no jitter unless an argument asks for 
 Modules: :mod:`.kernels` (dense SE-ARD), :mod:`.gaussian` (KL, log density, expected log-likelihood),
 :mod:`.exact_gp` (exact posterior and log marginal likelihood), :mod:`.sparse_gp` (Titsias optimum, collapsed bound,
 SVGP ELBO / predictive, whitening), :mod:`.process_kl` (KL between GPs on a finite grid), :mod:`.orthogonal`
-(orthogonally decoupled VGP: predictive, KL, ELBO, closed-form optimum and its value).
+(orthogonally decoupled VGP: predictive, KL, ELBO, closed-form optimum and its value), :mod:`.decoupled` (Decoupled /
+SVDGP: predictive, KL, ELBO, S-form maps, closed-form optimum, KL gradients) and :mod:`.hybrid` (Hybrid basis:
+predictive, KL, ELBO, maps to and from ODVGP, closed-form optimum).
 """
 
+from .decoupled import (
+    decoupled_covariance_to_s,
+    decoupled_elbo,
+    decoupled_kl,
+    decoupled_kl_gradients,
+    decoupled_optimum,
+    decoupled_predictive,
+    s_to_decoupled_precision,
+)
 from .exact_gp import exact_log_marginal_likelihood, exact_posterior
 from .gaussian import expected_gaussian_loglik, gaussian_kl, gaussian_logpdf
+from .hybrid import hybrid_elbo, hybrid_kl, hybrid_optimum, hybrid_predictive, hybrid_to_odvgp, odvgp_to_hybrid
 from .kernels import rbf
 from .orthogonal import (
     odvgp_conditional_optimum,
@@ -36,11 +48,22 @@ from .sparse_gp import (
 
 __all__ = [
     "collapsed_bound",
+    "decoupled_covariance_to_s",
+    "decoupled_elbo",
+    "decoupled_kl",
+    "decoupled_kl_gradients",
+    "decoupled_optimum",
+    "decoupled_predictive",
     "exact_log_marginal_likelihood",
     "exact_posterior",
     "expected_gaussian_loglik",
     "gaussian_kl",
     "gaussian_logpdf",
+    "hybrid_elbo",
+    "hybrid_kl",
+    "hybrid_optimum",
+    "hybrid_predictive",
+    "hybrid_to_odvgp",
     "odvgp_conditional_optimum",
     "odvgp_elbo",
     "odvgp_kl",
@@ -48,8 +71,10 @@ __all__ = [
     "odvgp_optimum",
     "odvgp_predictive",
     "odvgp_residual_features",
+    "odvgp_to_hybrid",
     "process_kl",
     "rbf",
+    "s_to_decoupled_precision",
     "svgp_elbo",
     "svgp_kl",
     "svgp_marginals",

@@ -1,0 +1,484 @@
+"""Spec §7 identities for :class:`HybridVariationalStrategy`, against dense float64 oracles.
+
+Everything runs in float64 with a jitter of 1e-10 on :math:`\\mathbf K_\\beta` and well-separated inducing points,
+so that the implementation and the oracles (which are given the same jittered :math:`\\mathbf K_\\beta`) agree to
+roundoff and the tolerances below can fail on a wrong sign, factor or transposed solve.
+
+Conventions: ``beta`` / ``gamma`` are the covariance / extra mean bases, ``m_w, S_w`` the whitened
+:math:`q(\\mathbf u_\\beta)` the strategy stores, ``m_beta = L_beta m_w`` and ``S = L_beta S_w L_beta^T`` the
+unwhitened block the oracles take (``L_beta`` the jittered Cholesky factor the strategy uses). Unlike ODVGP, the hybrid
+mean at :math:`\\beta` is :math:`\\mathbf m_\\beta + \\mathbf K_{\\beta\\gamma}\\mathbf a_\\gamma` (spec §4.7).
+GPyTorch's ``VariationalELBO`` returns ELBO / N, so it is multiplied by N before any comparison (spec G2).
+"""
+
+from __future__ import annotations
+
+import gpytorch
+import pytest
+import torch
+
+from gpytorch_decoupled.variational import (
+    DecoupledVariationalDistribution,
+    DecoupledVariationalStrategy,
+    HybridVariationalStrategy,
+    convert_mean_basis,
+)
+from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrategy as ODVGPStrategy
+from tests.oracles import (
+    decoupled_optimum,
+    exact_log_marginal_likelihood,
+    hybrid_elbo,
+    hybrid_kl,
+    hybrid_optimum,
+    hybrid_predictive,
+    hybrid_to_odvgp,
+    odvgp_conditional_optimum,
+    odvgp_optimal_elbo,
+    odvgp_optimum,
+    odvgp_to_hybrid,
+    process_kl,
+    rbf,
+    svgp_kl,
+    titsias_optimal_qu,
+)
+
+F64 = torch.float64
+LENGTHSCALE, OUTPUTSCALE, NOISE, JITTER, CONSTANT_MEAN = 0.7, 1.3, 0.1, 1e-10, 0.7
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These problems are tiny: intra-op threads only contend with the other pytest worker."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------------------------------------- helpers
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=F64)
+
+
+def _random_spd(n: int, gen: torch.Generator, floor: float = 0.05) -> torch.Tensor:
+    A = 0.5 * _randn(n, n, gen=gen)
+    return A @ A.mT + floor * torch.eye(n, dtype=F64)
+
+
+def _k(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    return rbf(A, B, LENGTHSCALE, OUTPUTSCALE)
+
+
+def _k_beta(beta: torch.Tensor) -> torch.Tensor:
+    """The jittered :math:`\\mathbf K_\\beta` the strategy factors (the oracles are given the same matrix)."""
+    return _k(beta, beta) + JITTER * torch.eye(beta.size(-2), dtype=F64)
+
+
+def _model_k_diag(n: int) -> torch.Tensor:
+    """:math:`k(x_n, x_n)` as the strategy sees it: GPyTorch adds the jitter to the predictive diagonal too."""
+    return torch.full((n,), OUTPUTSCALE + JITTER, dtype=F64)
+
+
+class MeanBasisModel(gpytorch.models.ApproximateGP):
+    """A float64 Hybrid (or ODVGP) GP with an SE kernel fixed at (LENGTHSCALE, OUTPUTSCALE) and the exact KL."""
+
+    def __init__(
+        self,
+        beta: torch.Tensor,
+        gamma: torch.Tensor,
+        strategy_cls=HybridVariationalStrategy,
+        distribution_cls=gpytorch.variational.CholeskyVariationalDistribution,
+        constant_mean: float | None = CONSTANT_MEAN,
+    ):
+        q_beta = distribution_cls(beta.size(-2))
+        strategy = strategy_cls(self, beta, q_beta, gamma, num_kl_columns=None, jitter_val=JITTER)
+        super().__init__(strategy)
+        self.mean_module = gpytorch.means.ZeroMean() if constant_mean is None else gpytorch.means.ConstantMean()
+        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        self.double()
+        # Set from float64 tensors: a Python float would round through float32.
+        self.covar_module.base_kernel.lengthscale = torch.tensor(LENGTHSCALE, dtype=F64)
+        self.covar_module.outputscale = torch.tensor(OUTPUTSCALE, dtype=F64)
+        if constant_mean is not None:
+            self.mean_module.constant = torch.tensor(constant_mean, dtype=F64)
+        # Fix q(u) now: the first call would otherwise overwrite what a test sets with the prior.
+        strategy.variational_params_initialized.fill_(1)
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+class SVGPModel(gpytorch.models.ApproximateGP):
+    """GPyTorch's whitened SVGP with the same kernel, mean and jitter as :class:`MeanBasisModel`."""
+
+    def __init__(self, beta: torch.Tensor):
+        q_u = gpytorch.variational.CholeskyVariationalDistribution(beta.size(-2))
+        super().__init__(gpytorch.variational.VariationalStrategy(self, beta, q_u, jitter_val=JITTER))
+        self.mean_module = gpytorch.means.ConstantMean()
+        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        self.double()
+        self.covar_module.base_kernel.lengthscale = torch.tensor(LENGTHSCALE, dtype=F64)
+        self.covar_module.outputscale = torch.tensor(OUTPUTSCALE, dtype=F64)
+        self.mean_module.constant = torch.tensor(CONSTANT_MEAN, dtype=F64)
+        self.variational_strategy.variational_params_initialized.fill_(1)
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+class DecoupledModel(gpytorch.models.ApproximateGP):
+    """The Decoupled GP with the same kernel (it adds no jitter), exact KL, zero prior mean."""
+
+    def __init__(self, beta: torch.Tensor, alpha: torch.Tensor):
+        q = DecoupledVariationalDistribution(alpha.size(-2), beta.size(-2))
+        super().__init__(DecoupledVariationalStrategy(self, beta, q, alpha, num_kl_columns=None))
+        self.mean_module = gpytorch.means.ZeroMean()
+        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        self.double()
+        self.covar_module.base_kernel.lengthscale = torch.tensor(LENGTHSCALE, dtype=F64)
+        self.covar_module.outputscale = torch.tensor(OUTPUTSCALE, dtype=F64)
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def _gaussian_likelihood() -> gpytorch.likelihoods.GaussianLikelihood:
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    likelihood.noise = torch.tensor(NOISE, dtype=F64)
+    return likelihood
+
+
+def _whiten(beta: torch.Tensor, m_beta: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    L = torch.linalg.cholesky(_k_beta(beta))
+    m_w = torch.linalg.solve_triangular(L, m_beta.unsqueeze(-1), upper=False).squeeze(-1)
+    S_w = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L, S, upper=False).mT, upper=False)
+    return m_w, 0.5 * (S_w + S_w.mT)
+
+
+def _set_q(model: MeanBasisModel, a_gamma: torch.Tensor, m_beta: torch.Tensor, S: torch.Tensor) -> None:
+    """Sets ``a_gamma`` and the **unwhitened** ``(m_beta, S)`` on a Cholesky or natural q(u_beta)."""
+    strategy = model.variational_strategy
+    m_w, S_w = _whiten(strategy.inducing_points.detach(), m_beta, S)
+    q = strategy._variational_distribution
+    with torch.no_grad():
+        strategy.mean_coefficients.copy_(a_gamma)
+        if isinstance(q, gpytorch.variational.NaturalVariationalDistribution):
+            precision = torch.linalg.inv(S_w)
+            q.natural_vec.copy_(precision @ m_w)
+            q.natural_mat.copy_(-0.5 * precision)
+        else:
+            q.variational_mean.copy_(m_w)
+            q.chol_variational_covar.copy_(torch.linalg.cholesky(S_w))
+    strategy._clear_cache()
+
+
+def _state(model: MeanBasisModel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a_gamma, m_beta, S)`` of the strategy's current state, unwhitened with the oracle's jittered Cholesky."""
+    strategy = model.variational_strategy
+    L = torch.linalg.cholesky(_k_beta(strategy.inducing_points.detach()))
+    q = strategy._variational_distribution()  # not the strategy's property: GPyTorch memoizes it until the next call
+    m_beta, S = L @ q.mean.detach(), L @ q.covariance_matrix.detach() @ L.mT
+    return strategy.mean_coefficients.detach().clone(), m_beta, 0.5 * (S + S.mT)
+
+
+def _random_state(gen: torch.Generator, m_gamma: int = 10, m_beta: int = 6):
+    return _randn(m_gamma, gen=gen), _randn(m_beta, gen=gen), _random_spd(m_beta, gen)
+
+
+def _full_batch_elbo(model, likelihood, X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """:math:`N\\times` GPyTorch's ``VariationalELBO`` in train mode (spec G2)."""
+    model.train()
+    likelihood.train()
+    mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=X.size(-2))
+    return X.size(-2) * mll(model(X), y)
+
+
+def _domain(seed: int) -> torch.Tensor:
+    """30 distinct 2-D points: a perturbed 6 x 5 grid (spacing ~1, lengthscale 0.7: cond(K_DD) ~ 20)."""
+    gen = _gen(seed)
+    grid = torch.cartesian_prod(torch.linspace(-2.5, 2.5, 6, dtype=F64), torch.linspace(-2.0, 2.0, 5, dtype=F64))
+    return (grid + 0.1 * _randn(30, 2, gen=gen))[torch.randperm(30, generator=gen)]
+
+
+def _regression_problem(seed: int, n: int = 60, m_beta: int = 6, m_gamma: int = 10):
+    """Inducing points on a perturbed 4 x 4 grid (so K_alpha is well conditioned) and noisy 2-D regression data."""
+    gen = _gen(seed)
+    grid = torch.cartesian_prod(*(2 * [torch.linspace(-2.0, 2.0, 4, dtype=F64)])) + 0.05 * _randn(16, 2, gen=gen)
+    grid = grid[torch.randperm(16, generator=gen)]
+    beta, gamma = grid[:m_beta], grid[m_beta : m_beta + m_gamma]
+    X = 4.4 * torch.rand(n, 2, generator=gen, dtype=F64) - 2.2
+    y = torch.sin(1.5 * X[:, 0]) + 0.5 * torch.cos(2.0 * X[:, 1]) + 0.3 * _randn(n, gen=gen)
+    return beta, gamma, X, y
+
+
+def _oracle_blocks(beta, gamma, X):
+    """The dense blocks the Hybrid / ODVGP optima take, with the strategy's jittered K_beta."""
+    return {
+        "K_gg": _k(gamma, gamma),
+        "K_gb": _k(gamma, beta),
+        "K_bb": _k_beta(beta),
+        "K_gX": _k(gamma, X),
+        "K_bX": _k(beta, X),
+    }
+
+
+def _oracle_elbo(beta, gamma, X, y, a_gamma, m_beta, S) -> torch.Tensor:
+    """The Hybrid ELBO oracle for these models (constant prior mean, jittered K_beta and predictive diagonal)."""
+    b = _oracle_blocks(beta, gamma, X)
+    prior_mean = torch.full((X.size(0),), CONSTANT_MEAN, dtype=F64)
+    return hybrid_elbo(
+        b["K_bb"],
+        b["K_gb"].mT,
+        b["K_gg"],
+        b["K_bX"],
+        b["K_gX"],
+        _model_k_diag(X.size(0)),
+        y,
+        NOISE,
+        a_gamma,
+        m_beta,
+        S,
+        prior_mean_f=prior_mean,
+    )
+
+
+# ------------------------------------------------------------------------------------ predictive, KL and ELBO
+@pytest.mark.parametrize("seed", [0, 1])
+def test_predictive_kl_and_elbo_match_the_oracles(seed: int) -> None:
+    beta, gamma, X, y = _regression_problem(seed)
+    model, likelihood = MeanBasisModel(beta, gamma), _gaussian_likelihood()
+    _set_q(model, *_random_state(_gen(20 + seed)))
+    a_gamma, m_beta, S = _state(model)
+    X_test = torch.cat([X[:20], beta])
+    K_ss = _k(X_test, X_test) + JITTER * torch.eye(26, dtype=F64)
+    prior_mean = torch.full((26,), CONSTANT_MEAN, dtype=F64)
+    mean, cov = hybrid_predictive(
+        _k_beta(beta), _k(beta, gamma), _k(beta, X_test), _k(gamma, X_test), K_ss, a_gamma, m_beta, S, prior_mean
+    )
+    model.eval()
+    with torch.no_grad():
+        output = model(X_test)
+        kl = model.variational_strategy.kl_divergence()
+    torch.testing.assert_close(output.mean, mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(output.covariance_matrix, cov, rtol=1e-12, atol=1e-12)
+    # The hybrid's q(f(beta)) has mean m_beta + K_bg a_gamma (not m_beta, as ODVGP's has) and covariance S.
+    torch.testing.assert_close(output.mean[20:], m_beta + _k(beta, gamma) @ a_gamma + CONSTANT_MEAN, rtol=0, atol=3e-9)
+    torch.testing.assert_close(
+        output.covariance_matrix[20:, 20:], S + JITTER * torch.eye(6, dtype=F64), rtol=0, atol=3e-9
+    )
+    torch.testing.assert_close(kl, hybrid_kl(_k_beta(beta), _k(beta, gamma), _k(gamma, gamma), a_gamma, m_beta, S))
+    model.train()
+    with torch.no_grad():
+        train_output = model(X_test)
+        torch.testing.assert_close(model.variational_strategy.kl_divergence(), kl, rtol=1e-13, atol=0)
+    torch.testing.assert_close(train_output.mean, mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(train_output.variance, cov.diagonal(), rtol=1e-12, atol=1e-12)
+    # G2 and B1: N x VariationalELBO is the summed ELBO (0.3), below log p(y).
+    with torch.no_grad():
+        elbo = _full_batch_elbo(model, likelihood, X, y)
+    torch.testing.assert_close(elbo, _oracle_elbo(beta, gamma, X, y, a_gamma, m_beta, S), rtol=1e-12, atol=0)
+    assert elbo < exact_log_marginal_likelihood(_k(X, X), y - CONSTANT_MEAN, NOISE)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_k2_kl_is_the_kl_of_the_predicted_process(seed: int) -> None:
+    D = _domain(seed)
+    beta, gamma = D[:5], D[5:11]  # the other 19 points stand for data and test inputs
+    model = MeanBasisModel(beta, gamma)
+    _set_q(model, *_random_state(_gen(10 + seed), m_gamma=6, m_beta=5))
+    model.eval()
+    with torch.no_grad():
+        output = model(D)
+        kl = model.variational_strategy.kl_divergence()
+    prior_mean = torch.full((30,), CONSTANT_MEAN, dtype=F64)
+    expected = process_kl(output.mean, output.covariance_matrix, prior_mean, _k(D, D))
+    torch.testing.assert_close(kl, expected, rtol=1e-8, atol=0)
+    # Without the 1/2 on the log-determinant (the printed [CB] eq. 14) the KL would be far off.
+    _, _, S = _state(model)
+    assert (0.5 * (torch.logdet(S) - torch.logdet(_k_beta(beta)))).abs() > 1e-2 * expected.abs()
+
+
+# ---------------------------------------------------------------------------------------------- reduction to SVGP
+@pytest.mark.parametrize("mean_basis", ["empty", "zero_coefficients"])
+def test_r2_without_mean_coefficients_is_gpytorch_svgp(mean_basis: str) -> None:
+    beta, gamma, X, y = _regression_problem(6)
+    if mean_basis == "empty":
+        gamma = gamma[:0]
+    model = MeanBasisModel(beta, gamma)
+    _, m_beta, S = _random_state(_gen(40))
+    _set_q(model, torch.zeros(gamma.size(0), dtype=F64), m_beta, S)
+    svgp = SVGPModel(beta)
+    svgp.variational_strategy._variational_distribution.load_state_dict(
+        model.variational_strategy._variational_distribution.state_dict()
+    )
+    likelihood = _gaussian_likelihood()
+    torch.testing.assert_close(
+        _full_batch_elbo(model, likelihood, X, y), _full_batch_elbo(svgp, likelihood, X, y), rtol=1e-13, atol=0
+    )
+    for m in (model, svgp):
+        m.eval()
+    X_test = X[:20]
+    with torch.no_grad():
+        ours, theirs = model(X_test), svgp(X_test)
+        kl, svgp_kl_value = model.variational_strategy.kl_divergence(), svgp.variational_strategy.kl_divergence()
+    torch.testing.assert_close(ours.mean, theirs.mean, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(ours.covariance_matrix, theirs.covariance_matrix, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(kl, svgp_kl_value, rtol=1e-13, atol=0)
+    torch.testing.assert_close(kl, svgp_kl(_k_beta(beta), m_beta, S), rtol=1e-10, atol=0)
+
+
+# -------------------------------------------------------------------------------------------------- structural
+@pytest.mark.parametrize(
+    "target_distribution",
+    [gpytorch.variational.CholeskyVariationalDistribution, gpytorch.variational.NaturalVariationalDistribution],
+)
+def test_s2_convert_mean_basis_maps_hybrid_to_odvgp_and_back(target_distribution) -> None:
+    beta, gamma, X, y = _regression_problem(7)
+    hybrid = MeanBasisModel(beta, gamma)
+    _set_q(hybrid, *_random_state(_gen(50)))
+    a_gamma, m_hyb, S = _state(hybrid)
+    odvgp = MeanBasisModel(beta, gamma, strategy_cls=ODVGPStrategy, distribution_cls=target_distribution)
+    convert_mean_basis(hybrid.variational_strategy, odvgp.variational_strategy)
+
+    # Parameters: the oracle's map (spec §4.7), with the same a_gamma and S.
+    a_odvgp, m_odvgp, S_odvgp = _state(odvgp)
+    expected_a, expected_m = hybrid_to_odvgp(_k(beta, gamma), a_gamma, m_hyb)
+    torch.testing.assert_close(a_odvgp, expected_a, rtol=0, atol=0)
+    torch.testing.assert_close(m_odvgp, expected_m, rtol=1e-10, atol=1e-11)
+    torch.testing.assert_close(S_odvgp, S, rtol=1e-10, atol=1e-11)
+    assert (m_odvgp - m_hyb).abs().max() > 0.1  # the map is not the identity
+
+    # The same process: ELBO, KL, mean and covariance.
+    likelihood = _gaussian_likelihood()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            _full_batch_elbo(odvgp, likelihood, X, y), _full_batch_elbo(hybrid, likelihood, X, y), rtol=1e-11, atol=0
+        )
+    X_test = torch.cat([X[:20], beta, gamma])
+    for m in (hybrid, odvgp):
+        m.eval()
+    with torch.no_grad():
+        ours, theirs = hybrid(X_test), odvgp(X_test)
+        kl_hyb, kl_odvgp = hybrid.variational_strategy.kl_divergence(), odvgp.variational_strategy.kl_divergence()
+    torch.testing.assert_close(ours.mean, theirs.mean, rtol=1e-10, atol=1e-11)
+    torch.testing.assert_close(ours.covariance_matrix, theirs.covariance_matrix, rtol=1e-10, atol=1e-11)
+    torch.testing.assert_close(kl_hyb, kl_odvgp, rtol=1e-11, atol=0)
+    # S1 for the converted ODVGP: its marginal at beta is N(m_odvgp, S) (plus the predictive jitter).
+    eye = torch.eye(6, dtype=F64)
+    torch.testing.assert_close(theirs.mean[20:26], m_odvgp + CONSTANT_MEAN, rtol=0, atol=3e-9)
+    torch.testing.assert_close(theirs.covariance_matrix[20:26, 20:26], S + JITTER * eye, rtol=0, atol=3e-9)
+
+    # Back again, onto a fresh hybrid: the original parameters (the oracle's inverse map).
+    back = MeanBasisModel(beta, gamma)
+    convert_mean_basis(odvgp.variational_strategy, back.variational_strategy)
+    a_back, m_back, S_back = _state(back)
+    torch.testing.assert_close(a_back, a_gamma, rtol=0, atol=0)
+    torch.testing.assert_close(m_back, odvgp_to_hybrid(_k(beta, gamma), a_odvgp, m_odvgp)[1], rtol=1e-10, atol=1e-11)
+    torch.testing.assert_close(m_back, m_hyb, rtol=1e-10, atol=1e-11)
+    torch.testing.assert_close(S_back, S, rtol=1e-10, atol=1e-11)
+
+
+# ------------------------------------------------------------------------------------------- natural gradients
+@pytest.mark.parametrize("num_mean_points", [10, 0])
+def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) -> None:
+    # With a_gamma fixed, the hybrid's beta block is a conjugate Gaussian problem, so one NGD step of size 1 from any
+    # state reaches its optimum: S = S* (Titsias) and, setting the gradient in m_beta to zero,
+    #   m_beta = S* K^-1 [K_bX (y - mu_0 - K_Xg a_g) / sigma^2 - K_bg a_g],
+    # i.e. Titsias' mean for the targets y - K_Xg a_g *minus* S* K^-1 K_bg a_g, from the KL's cross term
+    # m_beta^T K^-1 K_bg a_g (4.2). It is the ODVGP conditional optimum mapped by spec §4.7.
+    beta, gamma, X, y = _regression_problem(9)
+    gamma = gamma[:num_mean_points]
+    model = MeanBasisModel(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
+    likelihood = _gaussian_likelihood()
+    a_gamma, m_beta, S = _random_state(_gen(80), m_gamma=num_mean_points)
+    _set_q(model, a_gamma, m_beta, S)
+    for p in [*model.parameters(), *likelihood.parameters()]:
+        p.requires_grad_(False)
+    for p in model.variational_parameters():
+        p.requires_grad_(True)
+    ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=60, lr=1.0)
+    ngd.zero_grad()
+    (-_full_batch_elbo(model, likelihood, X, y) / 60).backward()
+    ngd.step()
+
+    a_after, m_after, S_after = _state(model)
+    torch.testing.assert_close(a_after, a_gamma, rtol=0, atol=0)
+    b = _oracle_blocks(beta, gamma, X)
+    targets = y - CONSTANT_MEAN - b["K_gX"].mT @ a_gamma
+    m_titsias, S_star = titsias_optimal_qu(b["K_bb"], b["K_bX"], targets, NOISE)
+    m_expected = m_titsias - S_star @ torch.linalg.solve(b["K_bb"], b["K_gb"].mT @ a_gamma)
+    torch.testing.assert_close(S_after, S_star, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(m_after, m_expected, rtol=1e-10, atol=1e-12)
+    m_odvgp, _ = odvgp_conditional_optimum(
+        b["K_bb"], b["K_gb"].mT, b["K_bX"], b["K_gX"], y - CONSTANT_MEAN, NOISE, a_gamma
+    )
+    torch.testing.assert_close(m_after, odvgp_to_hybrid(b["K_gb"].mT, a_gamma, m_odvgp)[1], rtol=1e-10, atol=1e-12)
+    if num_mean_points:
+        # The cross term matters: the mean is not Titsias' for the residual targets alone.
+        assert (m_after - m_titsias).abs().max() > 1e-2
+    # A second step stays there.
+    ngd.zero_grad()
+    (-_full_batch_elbo(model, likelihood, X, y) / 60).backward()
+    ngd.step()
+    torch.testing.assert_close(_state(model)[1], m_after, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------- bound and optimum
+def test_b5_hybrid_odvgp_and_decoupled_share_the_optimum() -> None:
+    beta, gamma, X, y = _regression_problem(8)
+    b = _oracle_blocks(beta, gamma, X)
+    likelihood = _gaussian_likelihood()
+    y_centred = y - CONSTANT_MEAN
+    elbo_star = odvgp_optimal_elbo(**b, k_XX_diag=_model_k_diag(60), y=y_centred, noise=NOISE)
+
+    hybrid = MeanBasisModel(beta, gamma)
+    a_star, m_star, S_star = hybrid_optimum(**b, y=y_centred, noise=NOISE)
+    _set_q(hybrid, a_star, m_star, S_star)
+    hybrid_elbo_value = _full_batch_elbo(hybrid, likelihood, X, y)
+    torch.testing.assert_close(hybrid_elbo_value.detach(), elbo_star, rtol=1e-10, atol=0)
+    # Stationary in every block (the lower triangle of the Cholesky parameter is what the strategy uses).
+    strategy = hybrid.variational_strategy
+    q = strategy._variational_distribution
+    blocks = {"a_gamma": strategy.mean_coefficients, "m_w": q.variational_mean, "chol_S_w": q.chol_variational_covar}
+    for name, grad in zip(blocks, torch.autograd.grad(hybrid_elbo_value, list(blocks.values()))):
+        grad = grad.tril() if name == "chol_S_w" else grad
+        assert grad.abs().max() < 1e-6, name
+
+    # ODVGP at its own optimum (5.10)-(5.12): the hybrid optimum mapped by spec §4.7, the same process.
+    odvgp = MeanBasisModel(beta, gamma, strategy_cls=ODVGPStrategy)
+    a_odvgp, m_odvgp, S_odvgp = odvgp_optimum(**b, y=y_centred, noise=NOISE)
+    torch.testing.assert_close(a_odvgp, a_star, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(m_odvgp, hybrid_to_odvgp(b["K_gb"].mT, a_star, m_star)[1], rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(S_odvgp, S_star, rtol=1e-9, atol=1e-11)
+    _set_q(odvgp, a_odvgp, m_odvgp, S_odvgp)
+    with torch.no_grad():
+        torch.testing.assert_close(_full_batch_elbo(odvgp, likelihood, X, y), elbo_star, rtol=1e-10, atol=0)
+
+    # Decoupled with alpha = [gamma; beta] at (3.3); it adds no jitter, so its blocks are the plain ones.
+    alpha = torch.cat([gamma, beta])
+    decoupled = DecoupledModel(beta, alpha)
+    a_dec, _, L_dec = decoupled_optimum(_k(alpha, alpha), _k(beta, beta), _k(alpha, X), _k(beta, X), y_centred, NOISE)
+    q_dec = decoupled.variational_strategy._variational_distribution
+    with torch.no_grad():
+        q_dec.mean_coefficients.copy_(a_dec)
+        q_dec.precision_factor.copy_(L_dec)
+        dec_elbo = _full_batch_elbo(decoupled, likelihood, X, y_centred)
+    # The jitter 1e-10 on K_beta and on the predictive diagonal is the only difference.
+    torch.testing.assert_close(dec_elbo, elbo_star, rtol=1e-8, atol=0)
+
+    X_test = torch.cat([4.4 * torch.rand(30, 2, generator=_gen(8), dtype=F64) - 2.2, beta])
+    for m in (hybrid, odvgp, decoupled):
+        m.eval()
+    with torch.no_grad():
+        outputs = [hybrid(X_test), odvgp(X_test), decoupled(X_test)]
+    for other, rtol in ((outputs[1], 1e-10), (outputs[2], 1e-8)):
+        shift = CONSTANT_MEAN if other is outputs[2] else 0.0
+        torch.testing.assert_close(outputs[0].mean, other.mean + shift, rtol=rtol, atol=rtol)
+        torch.testing.assert_close(outputs[0].covariance_matrix, other.covariance_matrix, rtol=rtol, atol=rtol)
+    # B4: at beta, the covariance is Titsias'.
+    S_titsias = titsias_optimal_qu(b["K_bb"], b["K_bX"], y_centred, NOISE)[1]
+    torch.testing.assert_close(outputs[0].covariance_matrix[30:, 30:], S_titsias + JITTER * torch.eye(6, dtype=F64))
