@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import torch
 from gpytorch.distributions import MultivariateNormal
+from gpytorch.variational import MeanFieldVariationalDistribution
 
 from .hybrid_variational_strategy import HybridVariationalStrategy
 from .orthogonally_decoupled_variational_strategy import OrthogonallyDecoupledVariationalStrategy
@@ -28,7 +29,8 @@ def convert_mean_basis(
     :math:`\beta` block's part. Means, covariances, KL and ELBO are then identical. Every other parameter and buffer
     (hyperparameters, bases, likelihood if it is a submodule of the model) is copied from ``source.model``, so the two
     models need the same structure; the variational distributions may be of different Gaussian types (e.g. a Cholesky
-    one to a natural one).
+    one to a natural one), as long as the target's can represent the source's covariance (a mean-field target only
+    takes a diagonal one: anything else raises ``ValueError`` and changes nothing).
 
     :param source: Strategy whose process is copied.
     :param target: Strategy that is overwritten.
@@ -74,13 +76,22 @@ def convert_mean_basis(
             shift = torch.zeros_like(shift)
         elif isinstance(source, OrthogonallyDecoupledVariationalStrategy):
             shift = -shift
-        missing, unexpected = target.model.load_state_dict(source_state, strict=False)
-        missing = [name for name in missing if "._variational_distribution." not in f".{name}"]
-        if missing or unexpected:
-            raise ValueError(f"the two models differ in structure: missing {missing}, unexpected {unexpected}.")
-        target._resize_variational_distribution(
-            MultivariateNormal(source_distribution.mean + shift, source_distribution.covariance_matrix)
-        )
+        covariance = source_distribution.covariance_matrix
+        if isinstance(target._variational_distribution, MeanFieldVariationalDistribution) and not torch.equal(
+            covariance, torch.diag_embed(covariance.diagonal(dim1=-2, dim2=-1))
+        ):
+            raise ValueError(
+                "the target's MeanFieldVariationalDistribution cannot represent the source's full covariance; use a "
+                "full-covariance distribution (e.g. CholeskyVariationalDistribution) for the target."
+            )
+        target_names = {name for name in target.model.state_dict() if "._variational_distribution." not in f".{name}"}
+        if target_names != set(source_state):
+            raise ValueError(
+                f"the two models differ in structure: only in the source {sorted(set(source_state) - target_names)}, "
+                f"only in the target {sorted(target_names - set(source_state))}."
+            )
+        target.model.load_state_dict(source_state, strict=False)
+        target._resize_variational_distribution(MultivariateNormal(source_distribution.mean + shift, covariance))
         target.variational_params_initialized.fill_(1)
     for strategy in (source, target):
         strategy._clear_cache()

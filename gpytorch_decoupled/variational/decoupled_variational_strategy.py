@@ -164,7 +164,9 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, _Variationa
         """
         if _is_in_cache_ignore_args(self, "inner_cholesky"):
             chol = _get_from_cache_ignore_args(self, "inner_cholesky")
-            if chol.shape[:-2] == beta_covariance.shape[:-2]:
+            # H has the batch shape of K_beta and of L_B together (latents may share one kernel and one beta).
+            latent_shape = self._variational_distribution.precision_factor.shape[:-2]
+            if chol.shape[:-2] == torch.broadcast_shapes(beta_covariance.shape[:-2], latent_shape):
                 return chol
         factor = self.precision_factor.double()
         inner = factor.mT @ beta_covariance.double() @ factor
@@ -239,6 +241,10 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, _Variationa
             return self.model.forward(x, **kwargs)
         if self.training:
             self._clear_cache()
+        # The distribution starts near the prior on construction; only record the first call, as GPyTorch's strategies
+        # do, without resetting values set before it.
+        if not self.variational_params_initialized.item():
+            self.variational_params_initialized.fill_(1)
         inducing_points = self.inducing_points
         if inducing_points.shape[:-2] != x.shape[:-2]:
             x, inducing_points = self._expand_inputs(x, inducing_points)

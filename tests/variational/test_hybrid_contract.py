@@ -1,0 +1,356 @@
+"""The GPyTorch contract for HybridVariationalStrategy (both objectives, both q's, batched latents), its eval caches,
+its input validation and the exact Hybrid <-> ODVGP map of :func:`convert_mean_basis`."""
+
+from __future__ import annotations
+
+import unittest
+import unittest.mock
+
+import gpytorch
+import pytest
+import torch
+
+from gpytorch_decoupled.variational import (
+    DecoupledVariationalDistribution,
+    DecoupledVariationalStrategy,
+    HybridVariationalStrategy,
+    OrthogonallyDecoupledVariationalStrategy,
+    convert_mean_basis,
+)
+from tests.strategy_contract_test_case import StrategyContractTestCase
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """These problems are tiny: more intra-op threads only add synchronization (several times the run time when the
+    cores are shared, as with ``pytest -n 2``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def hybrid_strategy(model, inducing_points, variational_distribution, learn_inducing_locations=True):
+    """The test-case factory: a mean basis of 24 points next to the 16 covariance points of the contract's model."""
+    mean_inducing_points = torch.randn(24, inducing_points.size(-1), dtype=inducing_points.dtype)
+    return HybridVariationalStrategy(
+        model, inducing_points, variational_distribution, mean_inducing_points, learn_inducing_locations
+    )
+
+
+class TestHybridContract(StrategyContractTestCase, unittest.TestCase):
+    @property
+    def batch_shape(self):
+        return torch.Size([])
+
+    @property
+    def distribution_cls(self):
+        return gpytorch.variational.CholeskyVariationalDistribution
+
+    @property
+    def mll_cls(self):
+        return gpytorch.mlls.VariationalELBO
+
+    @property
+    def strategy_cls(self):
+        return hybrid_strategy
+
+    def test_training_iteration(self, *args, **kwargs):
+        cg_mock, cholesky_mock, ciq_mock = super().test_training_iteration(*args, **kwargs)
+        self.assertFalse(cg_mock.called)
+        self.assertFalse(ciq_mock.called)
+
+    def test_eval_iteration(self, *args, **kwargs):
+        cg_mock, cholesky_mock, ciq_mock = super().test_eval_iteration(*args, **kwargs)
+        self.assertFalse(cg_mock.called)
+        self.assertFalse(ciq_mock.called)
+
+    def test_eval_predictions_reuse_the_cached_factors(self):
+        model, _ = self._fitted_model(batch_shape=self.batch_shape)
+        strategy = model.variational_strategy
+        test_x, _ = self._data(torch.get_default_dtype())
+        first = self._predict(model, test_x)
+        cached = dict(strategy._memoize_cache)
+        self.assertTrue(cached, "eval mode cached nothing")
+        # The eval cache holds the Cholesky factor of K_beta and the residual coordinates L_b^-1 K_bg a_g: a second
+        # prediction neither factors nor re-evaluates K_beta-gamma.
+        with (
+            unittest.mock.patch("torch.linalg.cholesky_ex", wraps=torch.linalg.cholesky_ex) as cholesky,
+            unittest.mock.patch.object(
+                strategy, "_cache_residual_coordinates", wraps=strategy._cache_residual_coordinates
+            ) as residual,
+        ):
+            second = self._predict(model, test_x)
+            subset = self._predict(model, test_x[:5])
+            third = self._predict(model, test_x)
+        self.assertEqual(cholesky.call_count, 0)
+        self.assertEqual(residual.call_count, 0)
+        # The first pass evaluates k_x-gamma fused with K_beta-gamma, later ones alone: equal up to rounding.
+        self._assert_same_prediction(second, first, rtol=1e-5, atol=1e-6)
+        self._assert_same_prediction(subset, (second[0][..., :5], second[1][..., :5, :5]), rtol=1e-5, atol=1e-6)
+        self._assert_same_prediction(third, second, rtol=0, atol=0)
+        for key, value in cached.items():
+            self.assertIs(strategy._memoize_cache[key], value, msg=f"cache entry {key} was recomputed")
+
+    def test_fantasy_call(self, *args, **kwargs):
+        # Online variational conditioning is defined for the single-basis SVGP only.
+        with self.assertRaises(NotImplementedError):
+            super().test_fantasy_call(*args, **kwargs)
+
+
+class TestHybridPredictiveContract(TestHybridContract):
+    @property
+    def mll_cls(self):
+        return gpytorch.mlls.PredictiveLogLikelihood
+
+
+class TestHybridNaturalContract(TestHybridContract):
+    @property
+    def distribution_cls(self):
+        return gpytorch.variational.NaturalVariationalDistribution
+
+
+class TestHybridBatchContract(TestHybridContract):
+    @property
+    def batch_shape(self):
+        return torch.Size([3])
+
+
+# ------------------------------------------------------------------------------------------ float64 test models
+class MeanBasisGP(gpytorch.models.ApproximateGP):
+    """A float64 hybrid or orthogonal model on fixed bases; the same seed gives the same hyperparameters."""
+
+    def __init__(self, strategy_cls, distribution_cls, beta, gamma, num_kl_columns=None):
+        q_beta = distribution_cls(beta.size(-2))
+        super().__init__(strategy_cls(self, beta, q_beta, gamma, num_kl_columns=num_kl_columns, jitter_val=1e-10))
+        self.mean_module = gpytorch.means.ConstantMean()
+        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        self.double()
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def _problem(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    grid = torch.cartesian_prod(*(2 * [torch.linspace(-2.0, 2.0, 4, dtype=F64)]))
+    beta = grid[::2] + 0.05 * torch.randn(8, 2, generator=gen, dtype=F64)
+    gamma = 4.0 * torch.rand(20, 2, generator=gen, dtype=F64) - 2.0
+    X = 4.4 * torch.rand(40, 2, generator=gen, dtype=F64) - 2.2
+    y = torch.sin(1.5 * X[:, 0]) + 0.5 * torch.cos(2.0 * X[:, 1]) + 0.2 * torch.randn(40, generator=gen, dtype=F64)
+    return beta, gamma, X, y
+
+
+def _random_state(model: MeanBasisGP, seed: int) -> None:
+    """Moves every hyperparameter and both variational blocks away from their initial values, reproducibly."""
+    gen = torch.Generator().manual_seed(seed)
+    strategy = model.variational_strategy
+    m_beta = strategy.inducing_points.size(-2)
+    with torch.no_grad():
+        model.covar_module.base_kernel.raw_lengthscale.fill_(0.3)
+        model.covar_module.raw_outputscale.fill_(0.4)
+        model.mean_module.constant.fill_(0.25)
+        strategy.mean_coefficients.copy_(torch.randn(strategy.mean_coefficients.shape, generator=gen, dtype=F64))
+        q = strategy._variational_distribution
+        m_w = torch.randn(m_beta, generator=gen, dtype=F64)
+        A = 0.3 * torch.randn(m_beta, m_beta, generator=gen, dtype=F64)
+        S_w = A @ A.mT + 0.2 * torch.eye(m_beta, dtype=F64)  # cond(S_w) ~ 10: the natural parameters are exact
+        if isinstance(q, gpytorch.variational.NaturalVariationalDistribution):
+            precision = torch.linalg.inv(S_w)
+            q.natural_vec.copy_(precision @ m_w)
+            q.natural_mat.copy_(-0.5 * precision)
+        else:
+            q.variational_mean.copy_(m_w)
+            q.chol_variational_covar.copy_(torch.linalg.cholesky(S_w))
+    strategy.variational_params_initialized.fill_(1)
+
+
+def _eval_process(model: MeanBasisGP, x: torch.Tensor):
+    """Mean, full covariance and (exact, eval-mode) KL of the model's process."""
+    model.eval()
+    with torch.no_grad():
+        output = model(x)
+        return output.mean, output.covariance_matrix, model.variational_strategy.kl_divergence()
+
+
+def _assert_same_process(first, second, tol: float = 1e-10) -> None:
+    for actual, expected in zip(first, second, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
+
+
+def _cache_snapshot(model) -> dict:
+    return {
+        name: dict(module._memoize_cache) for name, module in model.named_modules() if hasattr(module, "_memoize_cache")
+    }
+
+
+def _assert_same_caches(model, snapshot: dict) -> None:
+    after = _cache_snapshot(model)
+    assert after.keys() == snapshot.keys()
+    for name, cache in snapshot.items():
+        assert after[name].keys() == cache.keys(), name
+        for key, value in cache.items():
+            assert after[name][key] is value, (name, key)
+
+
+# ------------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "distribution_cls",
+    [gpytorch.variational.CholeskyVariationalDistribution, gpytorch.variational.NaturalVariationalDistribution],
+)
+def test_bad_inputs_raise_and_change_nothing(distribution_cls) -> None:
+    beta, gamma, X, y = _problem(1)
+    model = MeanBasisGP(HybridVariationalStrategy, distribution_cls, beta, gamma, num_kl_columns=6)
+    _random_state(model, 2)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=X.size(0))
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    reference = _eval_process(model, X[:5])  # leaves the eval caches filled
+    with_nan = X.clone()
+    with_nan[3, 1] = float("nan")
+    with_inf = X.clone()
+    with_inf[0, 0] = float("inf")
+    bad_inputs = [(X[:, :1], "dimensions"), (with_nan, "NaN"), (with_inf, "inf"), (X.float(), "float32")]
+    for training in (False, True):
+        model.train(training)
+        if training:  # a training step leaves its own caches; a refused call must not clear them
+            mll(model(X), y)
+        snapshot = _cache_snapshot(model)
+        assert any(snapshot.values())
+        for x, message in bad_inputs:
+            with pytest.raises(ValueError, match=message):
+                model(x)
+            with pytest.raises(ValueError, match=message):
+                model(x, prior=True)
+            if training:
+                with pytest.raises(ValueError, match=message):
+                    mll(model(x), y)
+        _assert_same_caches(model, snapshot)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    _assert_same_process(_eval_process(model, X[:5]), reference, tol=0.0)
+
+
+# ----------------------------------------------------------------------------------------- convert_mean_basis
+@pytest.mark.parametrize(
+    "source_q, target_q",
+    [
+        (gpytorch.variational.CholeskyVariationalDistribution, gpytorch.variational.CholeskyVariationalDistribution),
+        (gpytorch.variational.CholeskyVariationalDistribution, gpytorch.variational.NaturalVariationalDistribution),
+        (gpytorch.variational.NaturalVariationalDistribution, gpytorch.variational.CholeskyVariationalDistribution),
+    ],
+)
+def test_convert_mean_basis_round_trip_is_exact(source_q, target_q) -> None:
+    beta, gamma, X, _ = _problem(3)
+    hybrid = MeanBasisGP(HybridVariationalStrategy, source_q, beta, gamma)
+    _random_state(hybrid, 4)
+    orthogonal = MeanBasisGP(OrthogonallyDecoupledVariationalStrategy, target_q, beta + 0.3, gamma - 0.3)
+    back = MeanBasisGP(HybridVariationalStrategy, source_q, beta - 0.2, gamma + 0.2)
+    expected = _eval_process(hybrid, X)
+    assert expected[2].item() > 1.0  # a process well away from the prior, so that a wrong shift shows
+
+    convert_mean_basis(hybrid.variational_strategy, orthogonal.variational_strategy)
+    _assert_same_process(_eval_process(orthogonal, X), expected)
+    convert_mean_basis(orthogonal.variational_strategy, back.variational_strategy)
+    _assert_same_process(_eval_process(back, X), expected)
+    _assert_same_process(_eval_process(hybrid, X), expected, tol=0.0)  # the source is left as it was
+    for name, value in hybrid.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[name], value, rtol=1e-10, atol=1e-10, msg=name)
+
+    # The training-mode objective agrees too (exact KL: num_kl_columns=None).
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    y = torch.sin(X[:, 0])
+    elbos = []
+    for model in (hybrid, orthogonal, back):
+        model.train()
+        with torch.no_grad():
+            elbos.append(gpytorch.mlls.VariationalELBO(likelihood, model, num_data=X.size(0))(model(X), y))
+    torch.testing.assert_close(elbos[1], elbos[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(elbos[2], elbos[0], rtol=1e-10, atol=1e-10)
+
+
+def test_convert_mean_basis_initializes_a_fresh_source_as_gpytorch_would() -> None:
+    beta, gamma, X, _ = _problem(5)
+    torch.manual_seed(0)
+    hybrid = MeanBasisGP(HybridVariationalStrategy, gpytorch.variational.CholeskyVariationalDistribution, beta, gamma)
+    orthogonal = MeanBasisGP(
+        OrthogonallyDecoupledVariationalStrategy, gpytorch.variational.CholeskyVariationalDistribution, beta, gamma
+    )
+    assert not hybrid.variational_strategy.variational_params_initialized.item()
+    convert_mean_basis(hybrid.variational_strategy, orthogonal.variational_strategy)
+    assert hybrid.variational_strategy.variational_params_initialized.item()
+    assert orthogonal.variational_strategy.variational_params_initialized.item()
+    _assert_same_process(_eval_process(orthogonal, X), _eval_process(hybrid, X))
+
+
+class _DecoupledGP(gpytorch.models.ApproximateGP):
+    def __init__(self, beta, alpha):
+        q = DecoupledVariationalDistribution(alpha.size(-2), beta.size(-2))
+        super().__init__(DecoupledVariationalStrategy(self, beta, q, alpha))
+        self.mean_module = gpytorch.means.ZeroMean()
+        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        self.double()
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+class _SVGP(gpytorch.models.ApproximateGP):
+    def __init__(self, beta):
+        q = gpytorch.variational.CholeskyVariationalDistribution(beta.size(-2))
+        super().__init__(gpytorch.variational.VariationalStrategy(self, beta, q))
+        self.mean_module = gpytorch.means.ZeroMean()
+        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        self.double()
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def test_convert_mean_basis_refuses_other_strategies() -> None:
+    beta, gamma, _, _ = _problem(6)
+    hybrid = MeanBasisGP(HybridVariationalStrategy, gpytorch.variational.CholeskyVariationalDistribution, beta, gamma)
+    state = {name: value.clone() for name, value in hybrid.state_dict().items()}
+    others = [
+        _DecoupledGP(beta, gamma).variational_strategy,
+        _SVGP(beta).variational_strategy,
+        hybrid.variational_strategy._variational_distribution,
+        None,
+    ]
+    for other in others:
+        with pytest.raises(TypeError, match="convert_mean_basis maps between"):
+            convert_mean_basis(hybrid.variational_strategy, other)
+        with pytest.raises(TypeError, match="convert_mean_basis maps between"):
+            convert_mean_basis(other, hybrid.variational_strategy)
+    for name, value in hybrid.state_dict().items():
+        assert torch.equal(value, state[name]), name
+
+
+def test_convert_mean_basis_to_a_mean_field_target_is_exact_or_refused() -> None:
+    beta, gamma, X, _ = _problem(7)
+    hybrid = MeanBasisGP(HybridVariationalStrategy, gpytorch.variational.CholeskyVariationalDistribution, beta, gamma)
+    _random_state(hybrid, 8)  # a full S_w
+    orthogonal = MeanBasisGP(
+        OrthogonallyDecoupledVariationalStrategy, gpytorch.variational.MeanFieldVariationalDistribution, beta, gamma
+    )
+    state = {name: value.clone() for name, value in orthogonal.state_dict().items()}
+    with pytest.raises(ValueError, match="MeanFieldVariationalDistribution"):
+        convert_mean_basis(hybrid.variational_strategy, orthogonal.variational_strategy)
+    for name, value in orthogonal.state_dict().items():
+        assert torch.equal(value, state[name]), name
+
+
+def test_convert_mean_basis_to_a_mean_field_target_with_a_diagonal_covariance_is_exact() -> None:
+    beta, gamma, X, _ = _problem(9)
+    hybrid = MeanBasisGP(HybridVariationalStrategy, gpytorch.variational.CholeskyVariationalDistribution, beta, gamma)
+    _random_state(hybrid, 10)
+    with torch.no_grad():
+        chol = hybrid.variational_strategy._variational_distribution.chol_variational_covar
+        chol.copy_(torch.diag_embed(chol.diagonal(dim1=-2, dim2=-1)))  # a diagonal S_w, which mean-field can hold
+    orthogonal = MeanBasisGP(
+        OrthogonallyDecoupledVariationalStrategy, gpytorch.variational.MeanFieldVariationalDistribution, beta, gamma
+    )
+    convert_mean_basis(hybrid.variational_strategy, orthogonal.variational_strategy)
+    _assert_same_process(_eval_process(orthogonal, X), _eval_process(hybrid, X))
