@@ -138,10 +138,14 @@ class GeneralizedRBFKernel(Kernel):
         z2, log_c2 = self._split(x2)
         lengthscale = self.lengthscale
         z1, z2 = z1.div(lengthscale), z2.div(lengthscale)
-        if log_c1 is None and log_c2 is None:  # plain SE-ARD, as RBFKernel computes it
+        if _is_data(log_c1) and _is_data(log_c2):  # plain SE-ARD, as RBFKernel computes it
             return self.covar_dist(z1, z2, square_dist=True, diag=diag, **params).div(-2).exp()
-        log_c1 = torch.zeros_like(x1) if log_c1 is None else log_c1
-        log_c2 = torch.zeros_like(x2) if log_c2 is None else log_c2
+        if not diag and _is_data(log_c1):  # data rows against basis rows: O(NM) memory, one matrix product
+            return _data_basis_covariance(z1, z2, log_c2)
+        if not diag and _is_data(log_c2):
+            return _data_basis_covariance(z2, z1, log_c1).mT
+        log_c1 = torch.zeros_like(z1) if log_c1 is None else log_c1
+        log_c2 = torch.zeros_like(z2) if log_c2 is None else log_c2
         if not diag:
             z1, log_c1 = z1.unsqueeze(-2), log_c1.unsqueeze(-2)  # (..., N, 1, D)
             z2, log_c2 = z2.unsqueeze(-3), log_c2.unsqueeze(-3)  # (..., 1, M, D)
@@ -149,3 +153,27 @@ class GeneralizedRBFKernel(Kernel):
         log_sum = torch.logaddexp(2 * log_c1, 2 * log_c2)
         log_k = 0.5 * (math.log(2) + (log_c1 + log_c2) - log_sum) - (z1 - z2).square().mul(log_sum.neg().exp())
         return log_k.sum(-1).exp()
+
+
+def _is_data(log_multipliers: Tensor | None) -> bool:
+    """Rows with :math:`c = 1` throughout that no gradient flows into (data rows, possibly zero-padded)."""
+    return log_multipliers is None or (not log_multipliers.requires_grad and not log_multipliers.any())
+
+
+def _data_basis_covariance(data: Tensor, basis: Tensor, log_multipliers: Tensor) -> Tensor:
+    r"""
+    :math:`k(\mathbf x, \mathbf z)` for data rows (:math:`c = 1`) against basis rows, inputs in units of
+    :math:`s_d`. Then :math:`l^2 + l'^2 = 1 + c_{\mathbf z,d}^2` depends on the basis row only, so with
+    :math:`w_{\mathbf z,d} = 1 / (1 + c_{\mathbf z,d}^2)` the exponent
+    :math:`\sum_d w_{\mathbf z,d}(x_d - z_d)^2` expands into matrix products and no :math:`N \times M \times D`
+    tensor is formed.
+    """
+    centre = data.mean(-2, keepdim=True)  # as GPyTorch's distances: less cancellation in the expansion
+    data, basis = data - centre, basis - centre
+    log_denominator = torch.nn.functional.softplus(2 * log_multipliers)  # log(1 + c^2)
+    weights = log_denominator.neg().exp()
+    log_prefactor = 0.5 * (math.log(2) + log_multipliers - log_denominator).sum(-1)
+    quadratic = (
+        data.square() @ weights.mT - 2 * data @ (basis * weights).mT + (basis.square() * weights).sum(-1).unsqueeze(-2)
+    )
+    return (log_prefactor.unsqueeze(-2) - quadratic.clamp_min(0)).exp()

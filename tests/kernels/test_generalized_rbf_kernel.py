@@ -154,3 +154,23 @@ class TestGeneralizedRBFKernel(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def test_padded_data_rows_take_the_matrix_product_path_with_the_same_values_and_gradients():
+    """Zero-padded data rows (as the strategies pass them) against learned basis rows: the O(NM) expansion agrees
+    with the pairwise formula, values and gradients, in both argument orders."""
+    torch.manual_seed(3)
+    kernel = GeneralizedRBFKernel(ard_num_dims=3).double()
+    kernel.lengthscale = torch.tensor([[0.7, 1.3, 2.0]], dtype=torch.float64)
+    data = torch.nn.functional.pad(torch.randn(9, 3, dtype=torch.float64) * 3 + 5, (0, 3))
+    basis = GeneralizedRBFKernel.basis_points(
+        torch.randn(4, 3, dtype=torch.float64) * 3 + 5, torch.rand(4, 3, dtype=torch.float64) + 0.3
+    ).requires_grad_(True)
+    fast = kernel(data, basis).to_dense()
+    (fast_grad,) = torch.autograd.grad(fast.square().sum(), basis)
+    pairwise_data = data.clone().requires_grad_(True)  # a side with a gradient takes the general, pairwise path
+    pairwise = kernel(pairwise_data, basis).to_dense()
+    (pairwise_grad,) = torch.autograd.grad(pairwise.square().sum(), basis)
+    torch.testing.assert_close(fast, pairwise, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(fast_grad, pairwise_grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(kernel(basis, data).to_dense(), pairwise.mT, rtol=1e-12, atol=1e-13)
