@@ -8,6 +8,8 @@ Nothing in the package imports this module.
 
 from .baselines_benchmark import BASELINES
 from .benchmark import Benchmark
+from .decoupled_accuracy_benchmark import DECOUPLED_ACCURACY
+from .decoupled_speed_benchmark import DECOUPLED_SPEED
 from .method_result import MethodResult
 from .methods import METHODS, Method, build_method
 from .orthogonal_accuracy_benchmark import ORTHOGONAL_ACCURACY
@@ -16,7 +18,8 @@ from .run_config import RunConfig
 from .runner import compare, train_and_evaluate
 
 BENCHMARKS: dict[str, Benchmark] = {
-    benchmark.name: benchmark for benchmark in (BASELINES, ORTHOGONAL_SPEED, ORTHOGONAL_ACCURACY)
+    benchmark.name: benchmark
+    for benchmark in (BASELINES, ORTHOGONAL_SPEED, ORTHOGONAL_ACCURACY, DECOUPLED_SPEED, DECOUPLED_ACCURACY)
 }
 
 __all__ = [

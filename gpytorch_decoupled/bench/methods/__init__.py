@@ -9,8 +9,10 @@ from functools import partial
 
 from torch import Tensor
 
+from ...variational import HybridVariationalStrategy
 from .approximate_gp_method import ApproximateGPMethod
 from .approximate_regression_model import ApproximateRegressionModel
+from .decoupled_method import DecoupledMethod
 from .exact_gp_method import ExactGPMethod
 from .exact_regression_model import ExactRegressionModel
 from .gpytorch_orthogonal_method import GPyTorchOrthogonalMethod
@@ -29,6 +31,8 @@ METHODS: dict[str, MethodFactory] = {
     "exact": partial(ExactGPMethod, num_inducing=None),
     "orthnat": partial(OrthogonalMethod, natural=True),
     "orth": partial(OrthogonalMethod, natural=False),
+    "decoupled": DecoupledMethod,
+    "hybrid": partial(OrthogonalMethod, natural=False, strategy_cls=HybridVariationalStrategy),
 }
 
 
@@ -42,6 +46,7 @@ def build_method(name: str, train_x: Tensor, train_y: Tensor, **options) -> Meth
 __all__ = [
     "ApproximateGPMethod",
     "ApproximateRegressionModel",
+    "DecoupledMethod",
     "ExactGPMethod",
     "ExactRegressionModel",
     "GPyTorchOrthogonalMethod",

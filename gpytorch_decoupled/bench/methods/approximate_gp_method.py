@@ -9,6 +9,16 @@ from torch import Tensor
 from .method import Method
 
 
+def exact_strategy_kl(strategy) -> Tensor:
+    """The KL of a mean-basis strategy with :math:`\\mathbf a^\\top\\mathbf K\\mathbf a` computed exactly (in row
+    blocks) rather than from this step's sampled rows, for the full-data objective."""
+    sampled, strategy.num_kl_columns = strategy.num_kl_columns, None
+    try:
+        return strategy.kl_divergence().sum()
+    finally:
+        strategy.num_kl_columns = sampled
+
+
 class ApproximateGPMethod(Method):
     r"""
     A :class:`gpytorch.models.ApproximateGP` trained on mini-batches of the ELBO.

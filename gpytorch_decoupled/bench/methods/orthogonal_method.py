@@ -5,8 +5,8 @@ import torch
 from torch import Tensor
 
 from ...optim import OrthogonalMeanNaturalGradient
-from ...variational import OrthogonallyDecoupledVariationalStrategy
-from .approximate_gp_method import ApproximateGPMethod
+from ...variational import HybridVariationalStrategy, OrthogonallyDecoupledVariationalStrategy
+from .approximate_gp_method import ApproximateGPMethod, exact_strategy_kl
 from .approximate_regression_model import ApproximateRegressionModel
 from .inducing_points import initial_inducing_points
 
@@ -15,7 +15,8 @@ class OrthogonalMethod(ApproximateGPMethod):
     r"""
     This package's :class:`~gpytorch_decoupled.variational.OrthogonallyDecoupledVariationalStrategy`, trained as in
     Salimbeni et al. (2018): **OrthNat** (``natural=True``: natural gradients on the covariance block, Adam on the rest)
-    or **Orth** (Adam on everything).
+    or **Orth** (Adam on everything). With ``strategy_cls=HybridVariationalStrategy`` the same training drives the
+    hybrid basis (same inducing inputs for the same seed; Adam on everything is how the papers ran it).
 
     :param train_x: Training inputs.
     :param train_y: Training targets (standardized).
@@ -29,6 +30,8 @@ class OrthogonalMethod(ApproximateGPMethod):
     :param mean_lr: Step size of the diagonal rule.
     :param num_kl_columns: Sampled KL rows :math:`b` (``None``: exact KL).
     :param seed: Seed for the inducing-point draws and initial parameters.
+    :param strategy_cls: :class:`~gpytorch_decoupled.variational.OrthogonallyDecoupledVariationalStrategy` or
+        :class:`~gpytorch_decoupled.variational.HybridVariationalStrategy`.
     """
 
     def __init__(
@@ -44,9 +47,12 @@ class OrthogonalMethod(ApproximateGPMethod):
         mean_lr: float = 0.01,
         num_kl_columns: int | None = 64,
         seed: int = 0,
+        strategy_cls: type = OrthogonallyDecoupledVariationalStrategy,
     ):
         if mean_rule not in ("adam", "diagonal"):
             raise ValueError(f"mean_rule must be 'adam' or 'diagonal', got {mean_rule!r}.")
+        if mean_rule == "diagonal" and strategy_cls is not OrthogonallyDecoupledVariationalStrategy:
+            raise ValueError("the diagonal rule (paper eq. 17) is defined for the orthogonal basis only.")
         torch.manual_seed(seed)
         covariance_points = initial_inducing_points(train_x, num_inducing, seed)
         mean_points = initial_inducing_points(train_x, num_mean_inducing, seed + 1)
@@ -57,7 +63,7 @@ class OrthogonalMethod(ApproximateGPMethod):
         )
 
         def make_strategy(model):
-            return OrthogonallyDecoupledVariationalStrategy(
+            return strategy_cls(
                 model, covariance_points, distribution_cls(num_inducing), mean_points, num_kl_columns=num_kl_columns
             )
 
@@ -75,14 +81,10 @@ class OrthogonalMethod(ApproximateGPMethod):
             optimizers.append(OrthogonalMeanNaturalGradient(strategy, num_data=train_y.size(0), lr=mean_lr))
             first_order = [p for p in first_order if p is not strategy.mean_coefficients]
         optimizers.append(torch.optim.Adam(first_order, lr=lr))
-        label = "OrthNat (ours)" if natural else "Orth (ours)"
+        family = "Hybrid" if strategy_cls is HybridVariationalStrategy else "Orth"
+        label = f"{family}{'Nat' if natural else ''} (ours)"
         sizes = f"Mγ={num_mean_inducing}, Mβ={num_inducing}"
         super().__init__(label, sizes, model, likelihood, optimizers, train_x, train_y)
 
     def _exact_kl(self) -> Tensor:
-        strategy = self.model.variational_strategy
-        sampled, strategy.num_kl_columns = strategy.num_kl_columns, None
-        try:
-            return strategy.kl_divergence().sum()
-        finally:
-            strategy.num_kl_columns = sampled
+        return exact_strategy_kl(self.model.variational_strategy)
