@@ -140,19 +140,15 @@ class GeneralizedRBFKernel(Kernel):
         z1, z2 = z1.div(lengthscale), z2.div(lengthscale)
         if _is_data(log_c1) and _is_data(log_c2):  # plain SE-ARD, as RBFKernel computes it
             return self.covar_dist(z1, z2, square_dist=True, diag=diag, **params).div(-2).exp()
-        if not diag and _is_data(log_c1):  # data rows against basis rows: O(NM) memory, one matrix product
-            return _data_basis_covariance(z1, z2, log_c2)
-        if not diag and _is_data(log_c2):
-            return _data_basis_covariance(z2, z1, log_c1).mT
         log_c1 = torch.zeros_like(z1) if log_c1 is None else log_c1
         log_c2 = torch.zeros_like(z2) if log_c2 is None else log_c2
-        if not diag:
-            z1, log_c1 = z1.unsqueeze(-2), log_c1.unsqueeze(-2)  # (..., N, 1, D)
-            z2, log_c2 = z2.unsqueeze(-3), log_c2.unsqueeze(-3)  # (..., 1, M, D)
-        # In units of s_d: l = c, so log(l^2 + l'^2) = logaddexp(2 log c, 2 log c'); the product is a sum of logs.
-        log_sum = torch.logaddexp(2 * log_c1, 2 * log_c2)
-        log_k = 0.5 * (math.log(2) + (log_c1 + log_c2) - log_sum) - (z1 - z2).square().mul(log_sum.neg().exp())
-        return log_k.sum(-1).exp()
+        if diag:
+            return _pairwise_covariance(z1, log_c1, z2, log_c2)
+        covariance = _blocked_covariance(z1, log_c1, z2, log_c2)
+        if x1 is x2 or (x1.shape == x2.shape and torch.equal(x1, x2)):
+            # the blocks use different (equally exact) formulas: keep a Gram matrix exactly symmetric
+            covariance = 0.5 * (covariance + covariance.mT)
+        return covariance
 
 
 def _is_data(log_multipliers: Tensor | None) -> bool:
@@ -160,20 +156,69 @@ def _is_data(log_multipliers: Tensor | None) -> bool:
     return log_multipliers is None or (not log_multipliers.requires_grad and not log_multipliers.any())
 
 
-def _data_basis_covariance(data: Tensor, basis: Tensor, log_multipliers: Tensor) -> Tensor:
+def _unit_rows(log_multipliers: Tensor) -> Tensor:
+    """Which rows have :math:`c = 1` in every dimension (and every batch member), ``(N,)``."""
+    unit = (log_multipliers == 0).all(-1)
+    return unit.reshape(-1, unit.size(-1)).all(0)
+
+
+def _blocked_covariance(z1: Tensor, log_c1: Tensor, z2: Tensor, log_c2: Tensor) -> Tensor:
     r"""
-    :math:`k(\mathbf x, \mathbf z)` for data rows (:math:`c = 1`) against basis rows, inputs in units of
-    :math:`s_d`. Then :math:`l^2 + l'^2 = 1 + c_{\mathbf z,d}^2` depends on the basis row only, so with
-    :math:`w_{\mathbf z,d} = 1 / (1 + c_{\mathbf z,d}^2)` the exponent
-    :math:`\sum_d w_{\mathbf z,d}(x_d - z_d)^2` expands into matrix products and no :math:`N \times M \times D`
-    tensor is formed.
+    The full covariance, with every block in which one side has :math:`c = 1` (data rows, and basis rows whose
+    multipliers are still 1) computed through matrix products (:func:`_unit_basis_covariance`), and only the rest
+    pairwise. The strategies concatenate data with basis rows, so both kinds meet in one call.
     """
-    centre = data.mean(-2, keepdim=True)  # as GPyTorch's distances: less cancellation in the expansion
-    data, basis = data - centre, basis - centre
+    unit1, unit2 = _unit_rows(log_c1), _unit_rows(log_c2)
+    if unit1.all():
+        return _unit_basis_covariance(z1, log_c1, z2, log_c2)
+    if unit2.all():
+        return _unit_basis_covariance(z2, log_c2, z1, log_c1).mT
+    if not unit1.any() and not unit2.any():
+        return _pairwise_covariance(z1.unsqueeze(-2), log_c1.unsqueeze(-2), z2.unsqueeze(-3), log_c2.unsqueeze(-3))
+    if unit1.any():  # split the rows of side 1 into unit rows and the others, then restore their order
+        order = torch.cat([unit1.nonzero().squeeze(-1), (~unit1).nonzero().squeeze(-1)])
+        blocks = [
+            _unit_basis_covariance(z1[..., unit1, :], log_c1[..., unit1, :], z2, log_c2),
+            _blocked_covariance(z1[..., ~unit1, :], log_c1[..., ~unit1, :], z2, log_c2),
+        ]
+        return torch.cat(blocks, dim=-2)[..., order.argsort(), :]
+    return _blocked_covariance(z2, log_c2, z1, log_c1).mT
+
+
+def _pairwise_covariance(z1: Tensor, log_c1: Tensor, z2: Tensor, log_c2: Tensor) -> Tensor:
+    """The formula term by term, for broadcastable (row, column) pairs; inputs in units of :math:`s_d`."""
+    # l = c in these units; the product over dimensions is a sum of logs. (One log and one reciprocal per entry:
+    # torch.logaddexp would cost several times more, and c^2 overflows only for multipliers beyond 1e19.)
+    sums = (2 * log_c1).exp() + (2 * log_c2).exp()
+    log_k = 0.5 * (math.log(2) + (log_c1 + log_c2) - sums.log()) - (z1 - z2).square().mul(sums.reciprocal())
+    return log_k.sum(-1).exp()
+
+
+def _unit_basis_covariance(unit: Tensor, log_unit: Tensor, basis: Tensor, log_multipliers: Tensor) -> Tensor:
+    r"""
+    :math:`k(\mathbf x, \mathbf z)` for rows with :math:`c = 1` against any rows, inputs in units of :math:`s_d`.
+    Then :math:`l^2 + l'^2 = 1 + c_{\mathbf z,d}^2` depends on the column only, so with
+    :math:`w_{\mathbf z,d} = 1 / (1 + c_{\mathbf z,d}^2)` the exponent :math:`\sum_d w_{\mathbf z,d}(x_d - z_d)^2`
+    expands into matrix products and no :math:`N \times M \times D` tensor is formed. If the unit rows' own
+    log-multipliers :math:`t` need a gradient (basis rows that still have :math:`c = 1`), the first-order term
+    :math:`\sum_d t_d\,[\tfrac12 - w_{\mathbf z,d} + 2 w_{\mathbf z,d}^2 (x_d - z_d)^2]` is added: it is zero in value
+    and gives the exact first derivatives.
+    """
+    centre = unit.mean(-2, keepdim=True)  # as GPyTorch's distances: less cancellation in the expansion
+    unit, basis = unit - centre, basis - centre
     log_denominator = torch.nn.functional.softplus(2 * log_multipliers)  # log(1 + c^2)
     weights = log_denominator.neg().exp()
     log_prefactor = 0.5 * (math.log(2) + log_multipliers - log_denominator).sum(-1)
-    quadratic = (
-        data.square() @ weights.mT - 2 * data @ (basis * weights).mT + (basis.square() * weights).sum(-1).unsqueeze(-2)
-    )
-    return (log_prefactor.unsqueeze(-2) - quadratic.clamp_min(0)).exp()
+
+    def weighted_squared_distances(scale: Tensor, column_weights: Tensor) -> Tensor:
+        # sum_d scale_id w_jd (x_id - z_jd)^2 as three matrix products
+        return (
+            (scale * unit.square()) @ column_weights.mT
+            - 2 * (scale * unit) @ (basis * column_weights).mT
+            + scale @ (basis.square() * column_weights).mT
+        )
+
+    log_k = log_prefactor.unsqueeze(-2) - weighted_squared_distances(torch.ones_like(unit), weights).clamp_min(0)
+    if log_unit.requires_grad:
+        log_k = log_k + log_unit @ (0.5 - weights).mT + 2 * weighted_squared_distances(log_unit, weights.square())
+    return log_k.exp()

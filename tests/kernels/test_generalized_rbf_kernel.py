@@ -174,3 +174,29 @@ def test_padded_data_rows_take_the_matrix_product_path_with_the_same_values_and_
     torch.testing.assert_close(fast, pairwise, rtol=1e-12, atol=1e-13)
     torch.testing.assert_close(fast_grad, pairwise_grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(kernel(basis, data).to_dense(), pairwise.mT, rtol=1e-12, atol=1e-13)
+
+
+def test_mixed_rows_with_unit_multipliers_keep_exact_values_and_first_derivatives():
+    """Rows with c = 1 that need a gradient (fresh basis rows), data rows and other basis rows in one call, as the
+    strategies concatenate them: values and first derivatives equal the term-by-term formula."""
+    from gpytorch_decoupled.kernels.generalized_rbf_kernel import _pairwise_covariance
+
+    torch.manual_seed(4)
+    kernel = GeneralizedRBFKernel(ard_num_dims=2).double()
+    rows = torch.randn(7, 2, dtype=torch.float64)
+    log_c = torch.randn(7, 2, dtype=torch.float64) * 0.4
+    log_c[[1, 4, 5]] = 0.0  # unit rows among the others
+    x1 = torch.cat([rows, log_c], -1).requires_grad_(True)
+    x2 = torch.cat([torch.randn(5, 2, dtype=torch.float64), torch.zeros(5, 2, dtype=torch.float64)], -1)
+    x2 = torch.cat([x2, x1[:3]]).detach().requires_grad_(True)
+    blocked = kernel(x1, x2).to_dense()
+    scaled = [x[..., :2] / kernel.lengthscale for x in (x1, x2)]
+    reference = _pairwise_covariance(
+        scaled[0].unsqueeze(-2), x1[..., 2:].unsqueeze(-2), scaled[1].unsqueeze(-3), x2[..., 2:].unsqueeze(-3)
+    )
+    torch.testing.assert_close(blocked, reference, rtol=1e-12, atol=1e-13)
+    weights = torch.randn_like(reference)
+    grads = torch.autograd.grad((blocked * weights).sum(), (x1, x2, kernel.raw_lengthscale))
+    reference_grads = torch.autograd.grad((reference * weights).sum(), (x1, x2, kernel.raw_lengthscale))
+    for grad, expected in zip(grads, reference_grads, strict=True):
+        torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
