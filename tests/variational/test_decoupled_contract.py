@@ -23,14 +23,7 @@ F64 = torch.float64
 NUM_MEAN_POINTS = 24
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """These problems are tiny: more intra-op threads only add synchronization (several times the run time when the
-    cores are shared, as with ``pytest -n 2``)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _decoupled_factory(**strategy_kwargs):

@@ -22,6 +22,24 @@ import torch
 
 from gpytorch_decoupled.variational import DecoupledVariationalDistribution, DecoupledVariationalStrategy
 from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrategy as ODVGPStrategy
+from tests.float64_problems import (
+    F64,
+    LENGTHSCALE,
+    NOISE,
+    OUTPUTSCALE,
+    covariance_below,
+    decoupled_blocks,
+    eye,
+    finite_domain,
+    full_batch_elbo,
+    generator,
+    kernel_matrix,
+    odvgp_blocks,
+    prior_variances,
+    randn,
+    random_factor,
+    regression_problem,
+)
 from tests.oracles import (
     decoupled_covariance_to_s,
     decoupled_elbo,
@@ -33,66 +51,16 @@ from tests.oracles import (
     odvgp_optimal_elbo,
     odvgp_optimum,
     process_kl,
-    rbf,
     s_to_decoupled_precision,
     titsias_optimal_qu,
 )
 
-F64 = torch.float64
-LENGTHSCALE, OUTPUTSCALE, NOISE, CONSTANT_MEAN = 0.7, 1.3, 0.1, 0.7
+CONSTANT_MEAN = 0.7
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These problems are tiny: intra-op threads only contend with the other pytest worker."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 # --------------------------------------------------------------------------------------------------------- helpers
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _randn(*shape: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, dtype=F64)
-
-
-def _eye(n: int) -> torch.Tensor:
-    return torch.eye(n, dtype=F64)
-
-
-def _random_factor(n: int, gen: torch.Generator, rank: int | None = None, scale: float = 0.7) -> torch.Tensor:
-    """A lower-triangular ``L_B``; with ``rank < n`` its last columns are zero, so ``B`` is singular."""
-    L = scale * torch.tril(_randn(n, n, gen=gen))
-    if rank is not None:
-        L[:, rank:] = 0.0
-    return L
-
-
-def _covariance_below(K: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """A random ``S`` with ``0 < S < K``: ``L_K U diag(lam) U^T L_K^T`` with eigenvalues ``lam`` in (0.1, 0.9)."""
-    n = K.shape[-1]
-    U = torch.linalg.qr(_randn(n, n, gen=gen))[0]
-    lam = 0.1 + 0.8 * torch.rand(n, generator=gen, dtype=F64)
-    L_K = torch.linalg.cholesky(K)
-    S = L_K @ U @ torch.diag(lam) @ U.mT @ L_K.mT
-    return 0.5 * (S + S.mT)
-
-
-def _k(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    return rbf(A, B, LENGTHSCALE, OUTPUTSCALE)
-
-
-def _k_diag(n: int) -> torch.Tensor:
-    """:math:`k(x_n, x_n)` as the strategy sees it (no jitter on the predictive diagonal)."""
-    return torch.full((n,), OUTPUTSCALE, dtype=F64)
-
-
-def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
 def _set_kernel(model: gpytorch.models.ApproximateGP, constant_mean: float | None) -> None:
@@ -184,53 +152,13 @@ def _q(model: DecoupledModel) -> tuple[torch.Tensor, torch.Tensor]:
     return strategy.mean_coefficients.detach(), strategy.precision_factor.detach()
 
 
-def _full_batch_elbo(model, likelihood, X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """:math:`N\\times` GPyTorch's ``VariationalELBO`` in train mode (spec G2)."""
-    model.train()
-    likelihood.train()
-    mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=X.size(-2))
-    return X.size(-2) * mll(model(X), y)
-
-
-def _domain(seed: int) -> torch.Tensor:
-    """30 distinct 2-D points: a perturbed 6 x 5 grid (spacing ~1, lengthscale 0.7: cond(K_DD) ~ 20)."""
-    gen = _gen(seed)
-    grid = torch.cartesian_prod(torch.linspace(-2.5, 2.5, 6, dtype=F64), torch.linspace(-2.0, 2.0, 5, dtype=F64))
-    return (grid + 0.1 * _randn(30, 2, gen=gen))[torch.randperm(30, generator=gen)]
-
-
-def _regression_problem(seed: int, n: int = 60, m_beta: int = 6, m_gamma: int = 10):
-    """Inducing points on a perturbed 4 x 4 grid (so K_alpha is well conditioned) and noisy 2-D regression data."""
-    gen = _gen(seed)
-    grid = torch.cartesian_prod(*(2 * [torch.linspace(-2.0, 2.0, 4, dtype=F64)])) + 0.05 * _randn(16, 2, gen=gen)
-    grid = grid[torch.randperm(16, generator=gen)]
-    beta, gamma = grid[:m_beta], grid[m_beta : m_beta + m_gamma]
-    X = 4.4 * torch.rand(n, 2, generator=gen, dtype=F64) - 2.2
-    y = torch.sin(1.5 * X[:, 0]) + 0.5 * torch.cos(2.0 * X[:, 1]) + 0.3 * _randn(n, gen=gen)
-    return beta, gamma, X, y
-
-
-def _decoupled_blocks(alpha: torch.Tensor, beta: torch.Tensor, X: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"K_aa": _k(alpha, alpha), "K_bb": _k(beta, beta), "K_aX": _k(alpha, X), "K_bX": _k(beta, X)}
-
-
-def _odvgp_blocks(gamma: torch.Tensor, beta: torch.Tensor, X: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {
-        "K_gg": _k(gamma, gamma),
-        "K_gb": _k(gamma, beta),
-        "K_bb": _k(beta, beta),
-        "K_gX": _k(gamma, X),
-        "K_bX": _k(beta, X),
-    }
-
-
 def _optimal_elbo(gamma, beta, X, y) -> torch.Tensor:
     """ELBO* (spec eq. 5.13) with ``alpha = [gamma; beta]``."""
-    return odvgp_optimal_elbo(**_odvgp_blocks(gamma, beta, X), k_XX_diag=_k_diag(X.size(0)), y=y, noise=NOISE)
+    return odvgp_optimal_elbo(**odvgp_blocks(gamma, beta, X), k_XX_diag=prior_variances(X.size(0)), y=y, noise=NOISE)
 
 
 def _set_optimum(model: DecoupledModel, alpha, beta, X, y) -> tuple[torch.Tensor, torch.Tensor]:
-    a_star, _, L_star = decoupled_optimum(**_decoupled_blocks(alpha, beta, X), y=y, noise=NOISE)
+    a_star, _, L_star = decoupled_optimum(**decoupled_blocks(alpha, beta, X), y=y, noise=NOISE)
     _set_q(model, a_star, L_star)
     return a_star, L_star
 
@@ -240,18 +168,24 @@ def _set_optimum(model: DecoupledModel, alpha, beta, X, y) -> tuple[torch.Tensor
 def test_predictive_matches_the_oracle(rank: int | None) -> None:
     # (3.1): eval mean and full covariance, and train-mode variances, at test points; alpha does not contain beta and
     # the bases overlap in two points. rank=2: a singular B.
-    beta, gamma, X, _ = _regression_problem(0)
+    beta, gamma, X, _ = regression_problem(0)
     alpha = torch.cat([gamma, beta[:2]])
     model = DecoupledModel(beta, alpha, constant_mean=CONSTANT_MEAN)
-    gen = _gen(1)
-    a, L_B = _randn(12, gen=gen), _random_factor(6, gen, rank=rank)
+    gen = generator(1)
+    a, L_B = randn(12, gen=gen), random_factor(6, gen, rank=rank, scale=0.7)
     # The upper triangle of the raw parameter is never read.
-    _set_q(model, a, L_B + torch.triu(_randn(6, 6, gen=gen), diagonal=1))
+    _set_q(model, a, L_B + torch.triu(randn(6, 6, gen=gen), diagonal=1))
     torch.testing.assert_close(_q(model)[1], L_B, rtol=0, atol=0)
     X_test = X[:25]
     prior_mean = torch.full((25,), CONSTANT_MEAN, dtype=F64)
     mean, cov = decoupled_predictive(
-        _k(beta, beta), _k(alpha, X_test), _k(beta, X_test), _k(X_test, X_test), a, L_B, prior_mean_s=prior_mean
+        kernel_matrix(beta, beta),
+        kernel_matrix(alpha, X_test),
+        kernel_matrix(beta, X_test),
+        kernel_matrix(X_test, X_test),
+        a,
+        L_B,
+        prior_mean_s=prior_mean,
     )
     model.eval()
     with torch.no_grad():
@@ -267,16 +201,18 @@ def test_predictive_matches_the_oracle(rank: int | None) -> None:
     model.eval()
     with torch.no_grad():
         at_beta = model(beta).covariance_matrix
-    torch.testing.assert_close(at_beta, decoupled_covariance_to_s(_k(beta, beta), L_B), rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(
+        at_beta, decoupled_covariance_to_s(kernel_matrix(beta, beta), L_B), rtol=1e-11, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("seed, rank", [(0, None), (1, 3)])
 def test_k3_exact_kl_is_the_kl_of_the_predicted_process(seed: int, rank: int | None) -> None:
-    D = _domain(seed)
+    D = finite_domain(seed)
     alpha, beta = D[:8], D[5:11]  # overlapping bases; the other 19 points stand for data and test inputs
     model = DecoupledModel(beta, alpha, constant_mean=CONSTANT_MEAN)
-    gen = _gen(10 + seed)
-    a, L_B = _randn(8, gen=gen), _random_factor(6, gen, rank=rank)
+    gen = generator(10 + seed)
+    a, L_B = randn(8, gen=gen), random_factor(6, gen, rank=rank, scale=0.7)
     _set_q(model, a, L_B)
     strategy = model.variational_strategy
     model.eval()
@@ -284,9 +220,11 @@ def test_k3_exact_kl_is_the_kl_of_the_predicted_process(seed: int, rank: int | N
         output = model(D)
         kl = strategy.kl_divergence()
     prior_mean = torch.full((30,), CONSTANT_MEAN, dtype=F64)
-    expected = process_kl(output.mean, output.covariance_matrix, prior_mean, _k(D, D))
+    expected = process_kl(output.mean, output.covariance_matrix, prior_mean, kernel_matrix(D, D))
     torch.testing.assert_close(kl, expected, rtol=1e-8, atol=0)
-    torch.testing.assert_close(kl, decoupled_kl(_k(alpha, alpha), _k(beta, beta), a, L_B), rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        kl, decoupled_kl(kernel_matrix(alpha, alpha), kernel_matrix(beta, beta), a, L_B), rtol=1e-12, atol=0
+    )
     # Train mode with num_kl_columns=None gives the same exact KL, with or without a forward pass first.
     model.train()
     with torch.no_grad():
@@ -297,18 +235,18 @@ def test_k3_exact_kl_is_the_kl_of_the_predicted_process(seed: int, rank: int | N
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_b1_elbo_matches_the_oracle_and_is_below_the_log_marginal_likelihood(seed: int) -> None:
-    beta, gamma, X, y = _regression_problem(10 + seed)
+    beta, gamma, X, y = regression_problem(10 + seed)
     alpha = torch.cat([gamma, beta])
     model, likelihood = DecoupledModel(beta, alpha, constant_mean=CONSTANT_MEAN), _gaussian_likelihood()
-    gen = _gen(60 + seed)
-    a, L_B = 0.3 * _randn(16, gen=gen), _random_factor(6, gen)
+    gen = generator(60 + seed)
+    a, L_B = 0.3 * randn(16, gen=gen), random_factor(6, gen, scale=0.7)
     _set_q(model, a, L_B)
     with torch.no_grad():
-        elbo = _full_batch_elbo(model, likelihood, X, y)
+        elbo = full_batch_elbo(model, likelihood, X, y)
     prior_mean = torch.full((60,), CONSTANT_MEAN, dtype=F64)
     expected = decoupled_elbo(
-        **_decoupled_blocks(alpha, beta, X),
-        k_XX_diag=_k_diag(60),
+        **decoupled_blocks(alpha, beta, X),
+        k_XX_diag=prior_variances(60),
         y=y,
         noise=NOISE,
         a=a,
@@ -316,7 +254,7 @@ def test_b1_elbo_matches_the_oracle_and_is_below_the_log_marginal_likelihood(see
         prior_mean_f=prior_mean,
     )
     torch.testing.assert_close(elbo, expected, rtol=1e-12, atol=0)
-    log_evidence = exact_log_marginal_likelihood(_k(X, X), y - CONSTANT_MEAN, NOISE)
+    log_evidence = exact_log_marginal_likelihood(kernel_matrix(X, X), y - CONSTANT_MEAN, NOISE)
     assert elbo <= _optimal_elbo(gamma, beta, X, y - CONSTANT_MEAN) <= log_evidence
 
 
@@ -324,10 +262,10 @@ def test_b1_elbo_matches_the_oracle_and_is_below_the_log_marginal_likelihood(see
 def test_r3_with_alpha_equal_to_beta_is_gpytorch_svgp() -> None:
     # alpha = beta, a = K^-1 m, B = S^-1 - K^-1 (S < K_beta) is GPyTorch's SVGP with unwhitened q(u) = N(m, S),
     # stored whitened as N(L^-1 m, L^-1 S L^-T).
-    beta, _, X, y = _regression_problem(4)
-    gen = _gen(5)
-    K_bb = _k(beta, beta)
-    m, S = _randn(6, gen=gen), _covariance_below(K_bb, gen)
+    beta, _, X, y = regression_problem(4)
+    gen = generator(5)
+    K_bb = kernel_matrix(beta, beta)
+    m, S = randn(6, gen=gen), covariance_below(K_bb, gen)
     model = DecoupledModel(beta, beta.clone(), constant_mean=CONSTANT_MEAN)
     _set_q(model, torch.linalg.solve(K_bb, m), torch.linalg.cholesky(s_to_decoupled_precision(K_bb, S)))
     svgp = SVGPModel(beta, constant_mean=CONSTANT_MEAN)
@@ -339,7 +277,7 @@ def test_r3_with_alpha_equal_to_beta_is_gpytorch_svgp() -> None:
         q_u.chol_variational_covar.copy_(torch.linalg.cholesky(0.5 * (S_w + S_w.mT)))
     likelihood = _gaussian_likelihood()
     with torch.no_grad():
-        ours, theirs = _full_batch_elbo(model, likelihood, X, y), _full_batch_elbo(svgp, likelihood, X, y)
+        ours, theirs = full_batch_elbo(model, likelihood, X, y), full_batch_elbo(svgp, likelihood, X, y)
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=0)
     for gp in (model, svgp):
         gp.eval()
@@ -357,31 +295,31 @@ def test_r3_with_alpha_equal_to_beta_is_gpytorch_svgp() -> None:
 
 def test_r3_zero_precision_is_the_prior_covariance() -> None:
     # B = 0: s = k exactly (eval and train), and the KL is the mean term 1/2 a^T K_alpha a alone.
-    beta, gamma, X, _ = _regression_problem(3)
+    beta, gamma, X, _ = regression_problem(3)
     model = DecoupledModel(beta, gamma, constant_mean=CONSTANT_MEAN)
-    a = _randn(10, gen=_gen(6))
+    a = randn(10, gen=generator(6))
     _set_q(model, a, torch.zeros(6, 6, dtype=F64))
     model.eval()
     with torch.no_grad():
         output, prior = model(X), model(X, prior=True)
         kl = model.variational_strategy.kl_divergence()
     torch.testing.assert_close(output.covariance_matrix, prior.covariance_matrix, rtol=0, atol=1e-15)
-    torch.testing.assert_close(output.mean, prior.mean + _k(X, gamma) @ a, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(kl, 0.5 * a @ _k(gamma, gamma) @ a, rtol=1e-12, atol=0)
+    torch.testing.assert_close(output.mean, prior.mean + kernel_matrix(X, gamma) @ a, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(kl, 0.5 * a @ kernel_matrix(gamma, gamma) @ a, rtol=1e-12, atol=0)
     model.train()
     with torch.no_grad():
-        torch.testing.assert_close(model(X).variance, _k_diag(60), rtol=0, atol=1e-15)
+        torch.testing.assert_close(model(X).variance, prior_variances(60), rtol=0, atol=1e-15)
 
 
 # -------------------------------------------------------------------------------------------------- structural
 def test_s4_variance_never_exceeds_the_prior() -> None:
-    beta, gamma, _, _ = _regression_problem(7)
+    beta, gamma, _, _ = regression_problem(7)
     model = DecoupledModel(beta, gamma)
-    gen = _gen(7)
+    gen = generator(7)
     X_test = torch.cat([4.4 * torch.rand(200, 2, generator=gen, dtype=F64) - 2.2, beta])
     model.eval()
     for scale in (0.1, 1.0, 30.0):  # from near the prior to a near-singular posterior at beta
-        _set_q(model, _randn(10, gen=gen), _random_factor(6, gen, scale=scale))
+        _set_q(model, randn(10, gen=gen), random_factor(6, gen, scale=scale))
         with torch.no_grad():
             cov, prior = model(X_test).covariance_matrix, model(X_test, prior=True).covariance_matrix
         reduction = prior - cov
@@ -394,14 +332,14 @@ def test_s4_variance_never_exceeds_the_prior() -> None:
 
 # ------------------------------------------------------------------------------------------ column-sampled KL
 def test_k5_column_sampled_kl_is_unbiased() -> None:
-    D = _domain(2)
+    D = finite_domain(2)
     alpha, beta, b = D[:7], D[7:12], 2
     model = DecoupledModel(beta, alpha, num_kl_columns=b)
-    gen = _gen(20)
-    a = _randn(7, gen=gen)
-    _set_q(model, a, _random_factor(5, gen))
+    gen = generator(20)
+    a = randn(7, gen=gen)
+    _set_q(model, a, random_factor(5, gen, scale=0.7))
     strategy = model.variational_strategy
-    exact = a @ _k(alpha, alpha) @ a
+    exact = a @ kernel_matrix(alpha, alpha) @ a
     model.eval()
     with torch.no_grad():
         exact_kl = strategy.kl_divergence()
@@ -439,11 +377,11 @@ def test_k5_column_sampled_kl_is_unbiased() -> None:
 
 
 def test_k5_column_sampled_gradient_is_unbiased() -> None:
-    D = _domain(3)
+    D = finite_domain(3)
     alpha, beta = D[:6], D[6:11]
     model = DecoupledModel(beta, alpha, num_kl_columns=2)
-    gen = _gen(30)
-    _set_q(model, _randn(6, gen=gen), _random_factor(5, gen))
+    gen = generator(30)
+    _set_q(model, randn(6, gen=gen), random_factor(5, gen, scale=0.7))
     strategy = model.variational_strategy
     model.train()
     q = strategy._variational_distribution
@@ -463,18 +401,20 @@ def test_k5_column_sampled_gradient_is_unbiased() -> None:
 def test_g1_kl_gradients_match_cheng_and_boots(rank: int | None) -> None:
     # [CB] Prop. 2: grad_a KL = K_alpha a, grad_B KL as in spec §3.3, and grad_{L_B} = 2 grad_B L_B (lower triangle:
     # the raw parameter's upper triangle is not used). rank=3: singular B.
-    D = _domain(4)
+    D = finite_domain(4)
     alpha, beta = D[:9], D[6:12]
     model = DecoupledModel(beta, alpha)
-    gen = _gen(40)
-    a, L_B = _randn(9, gen=gen), _random_factor(6, gen, rank=rank)
+    gen = generator(40)
+    a, L_B = randn(9, gen=gen), random_factor(6, gen, rank=rank, scale=0.7)
     _set_q(model, a, L_B)
     q = model.variational_strategy._variational_distribution
     model.train()
     grad_a, grad_L = torch.autograd.grad(
         model.variational_strategy.kl_divergence(), [q.mean_coefficients, q.precision_factor]
     )
-    expected_a, expected_B = decoupled_kl_gradients(_k(alpha, alpha), _k(beta, beta), a, L_B @ L_B.mT)
+    expected_a, expected_B = decoupled_kl_gradients(
+        kernel_matrix(alpha, alpha), kernel_matrix(beta, beta), a, L_B @ L_B.mT
+    )
     torch.testing.assert_close(grad_a, expected_a, rtol=1e-11, atol=1e-12)
     expected_L = (2.0 * expected_B @ L_B).tril()
     assert expected_L.abs().max() > 1e-2
@@ -483,7 +423,7 @@ def test_g1_kl_gradients_match_cheng_and_boots(rank: int | None) -> None:
 
 # ------------------------------------------------------------------------------------------- bound and optimum
 def test_b3_b4_closed_form_optimum_is_attained_and_stationary() -> None:
-    beta, gamma, X, y = _regression_problem(8)
+    beta, gamma, X, y = regression_problem(8)
     alpha = torch.cat([gamma, beta])
     model, likelihood = DecoupledModel(beta, alpha), _gaussian_likelihood()
     _set_optimum(model, alpha, beta, X, y)
@@ -491,30 +431,32 @@ def test_b3_b4_closed_form_optimum_is_attained_and_stationary() -> None:
     q = model.variational_strategy._variational_distribution
     blocks = {"a": q.mean_coefficients, "L_B": q.precision_factor}
 
-    elbo = _full_batch_elbo(model, likelihood, X, y)
+    elbo = full_batch_elbo(model, likelihood, X, y)
     torch.testing.assert_close(elbo.detach(), elbo_star, rtol=1e-10, atol=0)
     grads = torch.autograd.grad(elbo, list(blocks.values()))
     for name, grad in zip(blocks, grads):
         assert grad.abs().max() < 1e-6, name
 
     # B4: q(f(beta)) is the optimal mean m*(beta) with Titsias' covariance.
-    a_odvgp, m_star, S_star = odvgp_optimum(**_odvgp_blocks(gamma, beta, X), y=y, noise=NOISE)
+    a_odvgp, m_star, S_star = odvgp_optimum(**odvgp_blocks(gamma, beta, X), y=y, noise=NOISE)
     model.eval()
     with torch.no_grad():
         at_beta = model(beta)
     torch.testing.assert_close(at_beta.mean, m_star, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(at_beta.covariance_matrix, S_star, rtol=1e-9, atol=1e-11)
-    torch.testing.assert_close(S_star, titsias_optimal_qu(_k(beta, beta), _k(beta, X), y, NOISE)[1])
+    torch.testing.assert_close(
+        S_star, titsias_optimal_qu(kernel_matrix(beta, beta), kernel_matrix(beta, X), y, NOISE)[1]
+    )
 
     # Random perturbations of each block only decrease the ELBO.
-    gen = _gen(70)
+    gen = generator(70)
     for name, param in blocks.items():
         original = param.detach().clone()
         for _ in range(3):
             with torch.no_grad():
-                step = 0.02 * _randn(*param.shape, gen=gen)
+                step = 0.02 * randn(*param.shape, gen=gen)
                 param.add_(step.tril() if name == "L_B" else step)
-                perturbed = _full_batch_elbo(model, likelihood, X, y)
+                perturbed = full_batch_elbo(model, likelihood, X, y)
                 param.copy_(original)
             assert perturbed < elbo_star - 1e-9 * elbo_star.abs(), name
 
@@ -522,7 +464,7 @@ def test_b3_b4_closed_form_optimum_is_attained_and_stationary() -> None:
 def test_b3_adam_approaches_the_optimum_loosely() -> None:
     # Spec B3: Decoupled is non-convex and converges only loosely; full-batch Adam from the near-prior start, with
     # hyperparameters and bases fixed, gets within 1e-2 of ELBO* and never above it.
-    beta, gamma, X, y = _regression_problem(8)
+    beta, gamma, X, y = regression_problem(8)
     alpha = torch.cat([gamma, beta])
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -533,7 +475,7 @@ def test_b3_adam_approaches_the_optimum_loosely() -> None:
     history = []
     for _ in range(150):
         optimizer.zero_grad()
-        elbo = _full_batch_elbo(model, likelihood, X, y)
+        elbo = full_batch_elbo(model, likelihood, X, y)
         (-elbo / 60).backward()
         optimizer.step()
         history.append(elbo.item())
@@ -545,13 +487,13 @@ def test_b3_adam_approaches_the_optimum_loosely() -> None:
 
 def test_b5_optimum_is_the_odvgp_optimum() -> None:
     # alpha = [gamma; beta] at (3.3) and ODVGP at (5.10)-(5.12) are the same process: same predictive, same ELBO.
-    beta, gamma, X, y = _regression_problem(9)
+    beta, gamma, X, y = regression_problem(9)
     alpha = torch.cat([gamma, beta])
     model, likelihood = DecoupledModel(beta, alpha), _gaussian_likelihood()
     _set_optimum(model, alpha, beta, X, y)
     odvgp = ODVGPModel(beta, gamma)
-    a_gamma, m_beta, S = odvgp_optimum(**_odvgp_blocks(gamma, beta, X), y=y, noise=NOISE)
-    L = torch.linalg.cholesky(_k(beta, beta))
+    a_gamma, m_beta, S = odvgp_optimum(**odvgp_blocks(gamma, beta, X), y=y, noise=NOISE)
+    L = torch.linalg.cholesky(kernel_matrix(beta, beta))
     with torch.no_grad():
         odvgp.variational_strategy.mean_coefficients.copy_(a_gamma)
         q = odvgp.variational_strategy._variational_distribution
@@ -559,10 +501,10 @@ def test_b5_optimum_is_the_odvgp_optimum() -> None:
         S_w = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L, S, upper=False).mT, upper=False)
         q.chol_variational_covar.copy_(torch.linalg.cholesky(0.5 * (S_w + S_w.mT)))
     with torch.no_grad():
-        ours, theirs = _full_batch_elbo(model, likelihood, X, y), _full_batch_elbo(odvgp, likelihood, X, y)
+        ours, theirs = full_batch_elbo(model, likelihood, X, y), full_batch_elbo(odvgp, likelihood, X, y)
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=0)
     torch.testing.assert_close(ours, _optimal_elbo(gamma, beta, X, y), rtol=1e-10, atol=0)
-    X_test = torch.cat([4.4 * torch.rand(30, 2, generator=_gen(9), dtype=F64) - 2.2, beta])
+    X_test = torch.cat([4.4 * torch.rand(30, 2, generator=generator(9), dtype=F64) - 2.2, beta])
     for gp in (model, odvgp):
         gp.eval()
     with torch.no_grad():
@@ -575,24 +517,24 @@ def test_b5_optimum_is_the_odvgp_optimum() -> None:
 def test_duplicate_covariance_basis_points_are_harmless() -> None:
     # Two coinciding beta rows make K_beta singular, but only H = I + L_B^T K_beta L_B is factored. The process equals
     # the one on the deduplicated basis with B' = P B P^T (P adds the duplicate's row to its twin's).
-    beta, gamma, X, y = _regression_problem(13, m_beta=5)
+    beta, gamma, X, y = regression_problem(13, m_beta=5)
     beta_dup = torch.cat([beta, beta[1:2]])
-    P = torch.cat([_eye(5), _eye(5)[:, 1:2]], dim=1)  # (5, 6)
-    gen = _gen(80)
-    a, L_B = _randn(10, gen=gen), _random_factor(6, gen)
+    P = torch.cat([eye(5), eye(5)[:, 1:2]], dim=1)  # (5, 6)
+    gen = generator(80)
+    a, L_B = randn(10, gen=gen), random_factor(6, gen, scale=0.7)
     duplicated, deduplicated = DecoupledModel(beta_dup, gamma), DecoupledModel(beta, gamma)
     B_dedup = P @ L_B @ L_B.mT @ P.mT
     _set_q(duplicated, a, L_B)
     _set_q(deduplicated, a, torch.linalg.cholesky(0.5 * (B_dedup + B_dedup.mT)))
     likelihood = _gaussian_likelihood()
-    elbo = _full_batch_elbo(duplicated, likelihood, X, y)
+    elbo = full_batch_elbo(duplicated, likelihood, X, y)
     q = duplicated.variational_strategy._variational_distribution
     grads = torch.autograd.grad(elbo, [q.mean_coefficients, q.precision_factor])
     assert all(torch.isfinite(g).all() for g in grads)
     with torch.no_grad():
-        torch.testing.assert_close(elbo, _full_batch_elbo(deduplicated, likelihood, X, y), rtol=1e-11, atol=0)
+        torch.testing.assert_close(elbo, full_batch_elbo(deduplicated, likelihood, X, y), rtol=1e-11, atol=0)
         expected = decoupled_elbo(
-            **_decoupled_blocks(gamma, beta_dup, X), k_XX_diag=_k_diag(60), y=y, noise=NOISE, a=a, L_B=L_B
+            **decoupled_blocks(gamma, beta_dup, X), k_XX_diag=prior_variances(60), y=y, noise=NOISE, a=a, L_B=L_B
         )
         torch.testing.assert_close(elbo, expected, rtol=1e-12, atol=0)
     for gp in (duplicated, deduplicated):
@@ -601,7 +543,9 @@ def test_duplicate_covariance_basis_points_are_harmless() -> None:
         ours, theirs = duplicated(X[:20]), deduplicated(X[:20])
         kl = duplicated.variational_strategy.kl_divergence()
         torch.testing.assert_close(kl, deduplicated.variational_strategy.kl_divergence(), rtol=1e-11, atol=0)
-    torch.testing.assert_close(kl, decoupled_kl(_k(gamma, gamma), _k(beta_dup, beta_dup), a, L_B), rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        kl, decoupled_kl(kernel_matrix(gamma, gamma), kernel_matrix(beta_dup, beta_dup), a, L_B), rtol=1e-12, atol=0
+    )
     torch.testing.assert_close(ours.mean, theirs.mean, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ours.covariance_matrix, theirs.covariance_matrix, rtol=1e-11, atol=1e-12)
 
@@ -625,7 +569,7 @@ def test_jacobi_preconditioning_does_not_change_the_optimum() -> None:
     # a = diag(K_alpha)^-1 a_0, L_B = diag(K_beta)^-1 L_0 (spec §3.5, row scaling): the same processes in other
     # coordinates, so the optimum maps to a stationary point with the same ELBO*. The kernel has a non-constant
     # diagonal, so that scaling rows and columns of L_0, or by the wrong basis, would differ.
-    beta, gamma, X, y = _regression_problem(8)
+    beta, gamma, X, y = regression_problem(8)
     alpha = torch.cat([gamma, beta])
     plain = _LinearPlusSEModel(beta, alpha, jacobi_preconditioning=False)
     preconditioned = _LinearPlusSEModel(beta, alpha, jacobi_preconditioning=True)
@@ -634,16 +578,16 @@ def test_jacobi_preconditioning_does_not_change_the_optimum() -> None:
     assert d_alpha.max() - d_alpha.min() > 1.0
 
     # Away from the optimum: the same process for the mapped raw parameters; the raw gradients scale by 1 / diag(K).
-    gen = _gen(90)
-    a, L_B = _randn(16, gen=gen), _random_factor(6, gen)
+    gen = generator(90)
+    a, L_B = randn(16, gen=gen), random_factor(6, gen, scale=0.7)
     _set_q(plain, a, L_B)
     _set_q(preconditioned, d_alpha * a, d_beta.unsqueeze(-1) * L_B)
     torch.testing.assert_close(_q(preconditioned)[0], a, rtol=1e-14, atol=0)
     torch.testing.assert_close(_q(preconditioned)[1], L_B, rtol=1e-14, atol=1e-16)
     q_plain = plain.variational_strategy._variational_distribution
     q_pre = preconditioned.variational_strategy._variational_distribution
-    elbo_plain = _full_batch_elbo(plain, likelihood, X, y)
-    elbo_pre = _full_batch_elbo(preconditioned, likelihood, X, y)
+    elbo_plain = full_batch_elbo(plain, likelihood, X, y)
+    elbo_pre = full_batch_elbo(preconditioned, likelihood, X, y)
     torch.testing.assert_close(elbo_pre, elbo_plain, rtol=1e-13, atol=0)
     g_plain = torch.autograd.grad(elbo_plain, [q_plain.mean_coefficients, q_plain.precision_factor])
     g_pre = torch.autograd.grad(elbo_pre, [q_pre.mean_coefficients, q_pre.precision_factor])
@@ -668,7 +612,7 @@ def test_jacobi_preconditioning_does_not_change_the_optimum() -> None:
     )
     torch.testing.assert_close(elbo_star, value, rtol=1e-10, atol=0)
     _set_q(preconditioned, d_alpha * a_star, d_beta.unsqueeze(-1) * L_star)
-    elbo = _full_batch_elbo(preconditioned, likelihood, X, y)
+    elbo = full_batch_elbo(preconditioned, likelihood, X, y)
     torch.testing.assert_close(elbo.detach(), elbo_star, rtol=1e-10, atol=0)
     for grad in torch.autograd.grad(elbo, [q_pre.mean_coefficients, q_pre.precision_factor]):
         assert grad.abs().max() < 1e-6

@@ -24,14 +24,7 @@ F64 = torch.float64
 KINDS = ["decoupled", "hybrid", "orthogonal"]
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """These problems are tiny: more intra-op threads only add synchronization (several times the run time when the
-    cores are shared, as with ``pytest -n 2``)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class MeanBasisGP(gpytorch.models.ApproximateGP):

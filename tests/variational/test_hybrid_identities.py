@@ -24,6 +24,23 @@ from gpytorch_decoupled.variational import (
     convert_mean_basis,
 )
 from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrategy as ODVGPStrategy
+from tests.float64_problems import (
+    F64,
+    JITTER,
+    LENGTHSCALE,
+    NOISE,
+    OUTPUTSCALE,
+    finite_domain,
+    full_batch_elbo,
+    generator,
+    jittered_kernel_matrix,
+    kernel_matrix,
+    odvgp_blocks,
+    prior_variances,
+    randn,
+    random_spd,
+    regression_problem,
+)
 from tests.oracles import (
     decoupled_optimum,
     exact_log_marginal_likelihood,
@@ -37,50 +54,16 @@ from tests.oracles import (
     odvgp_optimum,
     odvgp_to_hybrid,
     process_kl,
-    rbf,
     svgp_kl,
     titsias_optimal_qu,
 )
 
-F64 = torch.float64
-LENGTHSCALE, OUTPUTSCALE, NOISE, JITTER, CONSTANT_MEAN = 0.7, 1.3, 0.1, 1e-10, 0.7
+CONSTANT_MEAN = 0.7
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These problems are tiny: intra-op threads only contend with the other pytest worker."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 # --------------------------------------------------------------------------------------------------------- helpers
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _randn(*shape: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, dtype=F64)
-
-
-def _random_spd(n: int, gen: torch.Generator, floor: float = 0.05) -> torch.Tensor:
-    A = 0.5 * _randn(n, n, gen=gen)
-    return A @ A.mT + floor * torch.eye(n, dtype=F64)
-
-
-def _k(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    return rbf(A, B, LENGTHSCALE, OUTPUTSCALE)
-
-
-def _k_beta(beta: torch.Tensor) -> torch.Tensor:
-    """The jittered :math:`\\mathbf K_\\beta` the strategy factors (the oracles are given the same matrix)."""
-    return _k(beta, beta) + JITTER * torch.eye(beta.size(-2), dtype=F64)
-
-
-def _model_k_diag(n: int) -> torch.Tensor:
-    """:math:`k(x_n, x_n)` as the strategy sees it: GPyTorch adds the jitter to the predictive diagonal too."""
-    return torch.full((n,), OUTPUTSCALE + JITTER, dtype=F64)
 
 
 class MeanBasisModel(gpytorch.models.ApproximateGP):
@@ -153,7 +136,7 @@ def _gaussian_likelihood() -> gpytorch.likelihoods.GaussianLikelihood:
 
 
 def _whiten(beta: torch.Tensor, m_beta: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    L = torch.linalg.cholesky(_k_beta(beta))
+    L = torch.linalg.cholesky(jittered_kernel_matrix(beta))
     m_w = torch.linalg.solve_triangular(L, m_beta.unsqueeze(-1), upper=False).squeeze(-1)
     S_w = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L, S, upper=False).mT, upper=False)
     return m_w, 0.5 * (S_w + S_w.mT)
@@ -179,56 +162,19 @@ def _set_q(model: MeanBasisModel, a_gamma: torch.Tensor, m_beta: torch.Tensor, S
 def _state(model: MeanBasisModel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(a_gamma, m_beta, S)`` of the strategy's current state, unwhitened with the oracle's jittered Cholesky."""
     strategy = model.variational_strategy
-    L = torch.linalg.cholesky(_k_beta(strategy.inducing_points.detach()))
+    L = torch.linalg.cholesky(jittered_kernel_matrix(strategy.inducing_points.detach()))
     q = strategy._variational_distribution()  # not the strategy's property: GPyTorch memoizes it until the next call
     m_beta, S = L @ q.mean.detach(), L @ q.covariance_matrix.detach() @ L.mT
     return strategy.mean_coefficients.detach().clone(), m_beta, 0.5 * (S + S.mT)
 
 
 def _random_state(gen: torch.Generator, m_gamma: int = 10, m_beta: int = 6):
-    return _randn(m_gamma, gen=gen), _randn(m_beta, gen=gen), _random_spd(m_beta, gen)
-
-
-def _full_batch_elbo(model, likelihood, X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """:math:`N\\times` GPyTorch's ``VariationalELBO`` in train mode (spec G2)."""
-    model.train()
-    likelihood.train()
-    mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=X.size(-2))
-    return X.size(-2) * mll(model(X), y)
-
-
-def _domain(seed: int) -> torch.Tensor:
-    """30 distinct 2-D points: a perturbed 6 x 5 grid (spacing ~1, lengthscale 0.7: cond(K_DD) ~ 20)."""
-    gen = _gen(seed)
-    grid = torch.cartesian_prod(torch.linspace(-2.5, 2.5, 6, dtype=F64), torch.linspace(-2.0, 2.0, 5, dtype=F64))
-    return (grid + 0.1 * _randn(30, 2, gen=gen))[torch.randperm(30, generator=gen)]
-
-
-def _regression_problem(seed: int, n: int = 60, m_beta: int = 6, m_gamma: int = 10):
-    """Inducing points on a perturbed 4 x 4 grid (so K_alpha is well conditioned) and noisy 2-D regression data."""
-    gen = _gen(seed)
-    grid = torch.cartesian_prod(*(2 * [torch.linspace(-2.0, 2.0, 4, dtype=F64)])) + 0.05 * _randn(16, 2, gen=gen)
-    grid = grid[torch.randperm(16, generator=gen)]
-    beta, gamma = grid[:m_beta], grid[m_beta : m_beta + m_gamma]
-    X = 4.4 * torch.rand(n, 2, generator=gen, dtype=F64) - 2.2
-    y = torch.sin(1.5 * X[:, 0]) + 0.5 * torch.cos(2.0 * X[:, 1]) + 0.3 * _randn(n, gen=gen)
-    return beta, gamma, X, y
-
-
-def _oracle_blocks(beta, gamma, X):
-    """The dense blocks the Hybrid / ODVGP optima take, with the strategy's jittered K_beta."""
-    return {
-        "K_gg": _k(gamma, gamma),
-        "K_gb": _k(gamma, beta),
-        "K_bb": _k_beta(beta),
-        "K_gX": _k(gamma, X),
-        "K_bX": _k(beta, X),
-    }
+    return randn(m_gamma, gen=gen), randn(m_beta, gen=gen), random_spd(m_beta, gen)
 
 
 def _oracle_elbo(beta, gamma, X, y, a_gamma, m_beta, S) -> torch.Tensor:
     """The Hybrid ELBO oracle for these models (constant prior mean, jittered K_beta and predictive diagonal)."""
-    b = _oracle_blocks(beta, gamma, X)
+    b = odvgp_blocks(gamma, beta, X, JITTER)
     prior_mean = torch.full((X.size(0),), CONSTANT_MEAN, dtype=F64)
     return hybrid_elbo(
         b["K_bb"],
@@ -236,7 +182,7 @@ def _oracle_elbo(beta, gamma, X, y, a_gamma, m_beta, S) -> torch.Tensor:
         b["K_gg"],
         b["K_bX"],
         b["K_gX"],
-        _model_k_diag(X.size(0)),
+        prior_variances(X.size(0), JITTER),
         y,
         NOISE,
         a_gamma,
@@ -249,15 +195,23 @@ def _oracle_elbo(beta, gamma, X, y, a_gamma, m_beta, S) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ predictive, KL and ELBO
 @pytest.mark.parametrize("seed", [0, 1])
 def test_predictive_kl_and_elbo_match_the_oracles(seed: int) -> None:
-    beta, gamma, X, y = _regression_problem(seed)
+    beta, gamma, X, y = regression_problem(seed)
     model, likelihood = MeanBasisModel(beta, gamma), _gaussian_likelihood()
-    _set_q(model, *_random_state(_gen(20 + seed)))
+    _set_q(model, *_random_state(generator(20 + seed)))
     a_gamma, m_beta, S = _state(model)
     X_test = torch.cat([X[:20], beta])
-    K_ss = _k(X_test, X_test) + JITTER * torch.eye(26, dtype=F64)
+    K_ss = kernel_matrix(X_test, X_test) + JITTER * torch.eye(26, dtype=F64)
     prior_mean = torch.full((26,), CONSTANT_MEAN, dtype=F64)
     mean, cov = hybrid_predictive(
-        _k_beta(beta), _k(beta, gamma), _k(beta, X_test), _k(gamma, X_test), K_ss, a_gamma, m_beta, S, prior_mean
+        jittered_kernel_matrix(beta),
+        kernel_matrix(beta, gamma),
+        kernel_matrix(beta, X_test),
+        kernel_matrix(gamma, X_test),
+        K_ss,
+        a_gamma,
+        m_beta,
+        S,
+        prior_mean,
     )
     model.eval()
     with torch.no_grad():
@@ -266,11 +220,18 @@ def test_predictive_kl_and_elbo_match_the_oracles(seed: int) -> None:
     torch.testing.assert_close(output.mean, mean, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(output.covariance_matrix, cov, rtol=1e-12, atol=1e-12)
     # The hybrid's q(f(beta)) has mean m_beta + K_bg a_gamma (not m_beta, as ODVGP's has) and covariance S.
-    torch.testing.assert_close(output.mean[20:], m_beta + _k(beta, gamma) @ a_gamma + CONSTANT_MEAN, rtol=0, atol=3e-9)
+    torch.testing.assert_close(
+        output.mean[20:], m_beta + kernel_matrix(beta, gamma) @ a_gamma + CONSTANT_MEAN, rtol=0, atol=3e-9
+    )
     torch.testing.assert_close(
         output.covariance_matrix[20:, 20:], S + JITTER * torch.eye(6, dtype=F64), rtol=0, atol=3e-9
     )
-    torch.testing.assert_close(kl, hybrid_kl(_k_beta(beta), _k(beta, gamma), _k(gamma, gamma), a_gamma, m_beta, S))
+    torch.testing.assert_close(
+        kl,
+        hybrid_kl(
+            jittered_kernel_matrix(beta), kernel_matrix(beta, gamma), kernel_matrix(gamma, gamma), a_gamma, m_beta, S
+        ),
+    )
     model.train()
     with torch.no_grad():
         train_output = model(X_test)
@@ -279,37 +240,37 @@ def test_predictive_kl_and_elbo_match_the_oracles(seed: int) -> None:
     torch.testing.assert_close(train_output.variance, cov.diagonal(), rtol=1e-12, atol=1e-12)
     # G2 and B1: N x VariationalELBO is the summed ELBO (0.3), below log p(y).
     with torch.no_grad():
-        elbo = _full_batch_elbo(model, likelihood, X, y)
+        elbo = full_batch_elbo(model, likelihood, X, y)
     torch.testing.assert_close(elbo, _oracle_elbo(beta, gamma, X, y, a_gamma, m_beta, S), rtol=1e-12, atol=0)
-    assert elbo < exact_log_marginal_likelihood(_k(X, X), y - CONSTANT_MEAN, NOISE)
+    assert elbo < exact_log_marginal_likelihood(kernel_matrix(X, X), y - CONSTANT_MEAN, NOISE)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_k2_kl_is_the_kl_of_the_predicted_process(seed: int) -> None:
-    D = _domain(seed)
+    D = finite_domain(seed)
     beta, gamma = D[:5], D[5:11]  # the other 19 points stand for data and test inputs
     model = MeanBasisModel(beta, gamma)
-    _set_q(model, *_random_state(_gen(10 + seed), m_gamma=6, m_beta=5))
+    _set_q(model, *_random_state(generator(10 + seed), m_gamma=6, m_beta=5))
     model.eval()
     with torch.no_grad():
         output = model(D)
         kl = model.variational_strategy.kl_divergence()
     prior_mean = torch.full((30,), CONSTANT_MEAN, dtype=F64)
-    expected = process_kl(output.mean, output.covariance_matrix, prior_mean, _k(D, D))
+    expected = process_kl(output.mean, output.covariance_matrix, prior_mean, kernel_matrix(D, D))
     torch.testing.assert_close(kl, expected, rtol=1e-8, atol=0)
     # Without the 1/2 on the log-determinant (the printed [CB] eq. 14) the KL would be far off.
     _, _, S = _state(model)
-    assert (0.5 * (torch.logdet(S) - torch.logdet(_k_beta(beta)))).abs() > 1e-2 * expected.abs()
+    assert (0.5 * (torch.logdet(S) - torch.logdet(jittered_kernel_matrix(beta)))).abs() > 1e-2 * expected.abs()
 
 
 # ---------------------------------------------------------------------------------------------- reduction to SVGP
 @pytest.mark.parametrize("mean_basis", ["empty", "zero_coefficients"])
 def test_r2_without_mean_coefficients_is_gpytorch_svgp(mean_basis: str) -> None:
-    beta, gamma, X, y = _regression_problem(6)
+    beta, gamma, X, y = regression_problem(6)
     if mean_basis == "empty":
         gamma = gamma[:0]
     model = MeanBasisModel(beta, gamma)
-    _, m_beta, S = _random_state(_gen(40))
+    _, m_beta, S = _random_state(generator(40))
     _set_q(model, torch.zeros(gamma.size(0), dtype=F64), m_beta, S)
     svgp = SVGPModel(beta)
     svgp.variational_strategy._variational_distribution.load_state_dict(
@@ -317,7 +278,7 @@ def test_r2_without_mean_coefficients_is_gpytorch_svgp(mean_basis: str) -> None:
     )
     likelihood = _gaussian_likelihood()
     torch.testing.assert_close(
-        _full_batch_elbo(model, likelihood, X, y), _full_batch_elbo(svgp, likelihood, X, y), rtol=1e-13, atol=0
+        full_batch_elbo(model, likelihood, X, y), full_batch_elbo(svgp, likelihood, X, y), rtol=1e-13, atol=0
     )
     for m in (model, svgp):
         m.eval()
@@ -328,7 +289,7 @@ def test_r2_without_mean_coefficients_is_gpytorch_svgp(mean_basis: str) -> None:
     torch.testing.assert_close(ours.mean, theirs.mean, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(ours.covariance_matrix, theirs.covariance_matrix, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(kl, svgp_kl_value, rtol=1e-13, atol=0)
-    torch.testing.assert_close(kl, svgp_kl(_k_beta(beta), m_beta, S), rtol=1e-10, atol=0)
+    torch.testing.assert_close(kl, svgp_kl(jittered_kernel_matrix(beta), m_beta, S), rtol=1e-10, atol=0)
 
 
 # -------------------------------------------------------------------------------------------------- structural
@@ -337,16 +298,16 @@ def test_r2_without_mean_coefficients_is_gpytorch_svgp(mean_basis: str) -> None:
     [gpytorch.variational.CholeskyVariationalDistribution, gpytorch.variational.NaturalVariationalDistribution],
 )
 def test_s2_convert_mean_basis_maps_hybrid_to_odvgp_and_back(target_distribution) -> None:
-    beta, gamma, X, y = _regression_problem(7)
+    beta, gamma, X, y = regression_problem(7)
     hybrid = MeanBasisModel(beta, gamma)
-    _set_q(hybrid, *_random_state(_gen(50)))
+    _set_q(hybrid, *_random_state(generator(50)))
     a_gamma, m_hyb, S = _state(hybrid)
     odvgp = MeanBasisModel(beta, gamma, strategy_cls=ODVGPStrategy, distribution_cls=target_distribution)
     convert_mean_basis(hybrid.variational_strategy, odvgp.variational_strategy)
 
     # Parameters: the oracle's map (spec §4.7), with the same a_gamma and S.
     a_odvgp, m_odvgp, S_odvgp = _state(odvgp)
-    expected_a, expected_m = hybrid_to_odvgp(_k(beta, gamma), a_gamma, m_hyb)
+    expected_a, expected_m = hybrid_to_odvgp(kernel_matrix(beta, gamma), a_gamma, m_hyb)
     torch.testing.assert_close(a_odvgp, expected_a, rtol=0, atol=0)
     torch.testing.assert_close(m_odvgp, expected_m, rtol=1e-10, atol=1e-11)
     torch.testing.assert_close(S_odvgp, S, rtol=1e-10, atol=1e-11)
@@ -356,7 +317,7 @@ def test_s2_convert_mean_basis_maps_hybrid_to_odvgp_and_back(target_distribution
     likelihood = _gaussian_likelihood()
     with torch.no_grad():
         torch.testing.assert_close(
-            _full_batch_elbo(odvgp, likelihood, X, y), _full_batch_elbo(hybrid, likelihood, X, y), rtol=1e-11, atol=0
+            full_batch_elbo(odvgp, likelihood, X, y), full_batch_elbo(hybrid, likelihood, X, y), rtol=1e-11, atol=0
         )
     X_test = torch.cat([X[:20], beta, gamma])
     for m in (hybrid, odvgp):
@@ -377,7 +338,9 @@ def test_s2_convert_mean_basis_maps_hybrid_to_odvgp_and_back(target_distribution
     convert_mean_basis(odvgp.variational_strategy, back.variational_strategy)
     a_back, m_back, S_back = _state(back)
     torch.testing.assert_close(a_back, a_gamma, rtol=0, atol=0)
-    torch.testing.assert_close(m_back, odvgp_to_hybrid(_k(beta, gamma), a_odvgp, m_odvgp)[1], rtol=1e-10, atol=1e-11)
+    torch.testing.assert_close(
+        m_back, odvgp_to_hybrid(kernel_matrix(beta, gamma), a_odvgp, m_odvgp)[1], rtol=1e-10, atol=1e-11
+    )
     torch.testing.assert_close(m_back, m_hyb, rtol=1e-10, atol=1e-11)
     torch.testing.assert_close(S_back, S, rtol=1e-10, atol=1e-11)
 
@@ -390,11 +353,11 @@ def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) 
     #   m_beta = S* K^-1 [K_bX (y - mu_0 - K_Xg a_g) / sigma^2 - K_bg a_g],
     # i.e. Titsias' mean for the targets y - K_Xg a_g *minus* S* K^-1 K_bg a_g, from the KL's cross term
     # m_beta^T K^-1 K_bg a_g (4.2). It is the ODVGP conditional optimum mapped by spec §4.7.
-    beta, gamma, X, y = _regression_problem(9)
+    beta, gamma, X, y = regression_problem(9)
     gamma = gamma[:num_mean_points]
     model = MeanBasisModel(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
     likelihood = _gaussian_likelihood()
-    a_gamma, m_beta, S = _random_state(_gen(80), m_gamma=num_mean_points)
+    a_gamma, m_beta, S = _random_state(generator(80), m_gamma=num_mean_points)
     _set_q(model, a_gamma, m_beta, S)
     for p in [*model.parameters(), *likelihood.parameters()]:
         p.requires_grad_(False)
@@ -402,12 +365,12 @@ def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) 
         p.requires_grad_(True)
     ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=60, lr=1.0)
     ngd.zero_grad()
-    (-_full_batch_elbo(model, likelihood, X, y) / 60).backward()
+    (-full_batch_elbo(model, likelihood, X, y) / 60).backward()
     ngd.step()
 
     a_after, m_after, S_after = _state(model)
     torch.testing.assert_close(a_after, a_gamma, rtol=0, atol=0)
-    b = _oracle_blocks(beta, gamma, X)
+    b = odvgp_blocks(gamma, beta, X, JITTER)
     targets = y - CONSTANT_MEAN - b["K_gX"].mT @ a_gamma
     m_titsias, S_star = titsias_optimal_qu(b["K_bb"], b["K_bX"], targets, NOISE)
     m_expected = m_titsias - S_star @ torch.linalg.solve(b["K_bb"], b["K_gb"].mT @ a_gamma)
@@ -422,23 +385,23 @@ def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) 
         assert (m_after - m_titsias).abs().max() > 1e-2
     # A second step stays there.
     ngd.zero_grad()
-    (-_full_batch_elbo(model, likelihood, X, y) / 60).backward()
+    (-full_batch_elbo(model, likelihood, X, y) / 60).backward()
     ngd.step()
     torch.testing.assert_close(_state(model)[1], m_after, rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------- bound and optimum
 def test_b5_hybrid_odvgp_and_decoupled_share_the_optimum() -> None:
-    beta, gamma, X, y = _regression_problem(8)
-    b = _oracle_blocks(beta, gamma, X)
+    beta, gamma, X, y = regression_problem(8)
+    b = odvgp_blocks(gamma, beta, X, JITTER)
     likelihood = _gaussian_likelihood()
     y_centred = y - CONSTANT_MEAN
-    elbo_star = odvgp_optimal_elbo(**b, k_XX_diag=_model_k_diag(60), y=y_centred, noise=NOISE)
+    elbo_star = odvgp_optimal_elbo(**b, k_XX_diag=prior_variances(60, JITTER), y=y_centred, noise=NOISE)
 
     hybrid = MeanBasisModel(beta, gamma)
     a_star, m_star, S_star = hybrid_optimum(**b, y=y_centred, noise=NOISE)
     _set_q(hybrid, a_star, m_star, S_star)
-    hybrid_elbo_value = _full_batch_elbo(hybrid, likelihood, X, y)
+    hybrid_elbo_value = full_batch_elbo(hybrid, likelihood, X, y)
     torch.testing.assert_close(hybrid_elbo_value.detach(), elbo_star, rtol=1e-10, atol=0)
     # Stationary in every block (the lower triangle of the Cholesky parameter is what the strategy uses).
     strategy = hybrid.variational_strategy
@@ -456,21 +419,28 @@ def test_b5_hybrid_odvgp_and_decoupled_share_the_optimum() -> None:
     torch.testing.assert_close(S_odvgp, S_star, rtol=1e-9, atol=1e-11)
     _set_q(odvgp, a_odvgp, m_odvgp, S_odvgp)
     with torch.no_grad():
-        torch.testing.assert_close(_full_batch_elbo(odvgp, likelihood, X, y), elbo_star, rtol=1e-10, atol=0)
+        torch.testing.assert_close(full_batch_elbo(odvgp, likelihood, X, y), elbo_star, rtol=1e-10, atol=0)
 
     # Decoupled with alpha = [gamma; beta] at (3.3); it adds no jitter, so its blocks are the plain ones.
     alpha = torch.cat([gamma, beta])
     decoupled = DecoupledModel(beta, alpha)
-    a_dec, _, L_dec = decoupled_optimum(_k(alpha, alpha), _k(beta, beta), _k(alpha, X), _k(beta, X), y_centred, NOISE)
+    a_dec, _, L_dec = decoupled_optimum(
+        kernel_matrix(alpha, alpha),
+        kernel_matrix(beta, beta),
+        kernel_matrix(alpha, X),
+        kernel_matrix(beta, X),
+        y_centred,
+        NOISE,
+    )
     q_dec = decoupled.variational_strategy._variational_distribution
     with torch.no_grad():
         q_dec.mean_coefficients.copy_(a_dec)
         q_dec.precision_factor.copy_(L_dec)
-        dec_elbo = _full_batch_elbo(decoupled, likelihood, X, y_centred)
+        dec_elbo = full_batch_elbo(decoupled, likelihood, X, y_centred)
     # The jitter 1e-10 on K_beta and on the predictive diagonal is the only difference.
     torch.testing.assert_close(dec_elbo, elbo_star, rtol=1e-8, atol=0)
 
-    X_test = torch.cat([4.4 * torch.rand(30, 2, generator=_gen(8), dtype=F64) - 2.2, beta])
+    X_test = torch.cat([4.4 * torch.rand(30, 2, generator=generator(8), dtype=F64) - 2.2, beta])
     for m in (hybrid, odvgp, decoupled):
         m.eval()
     with torch.no_grad():

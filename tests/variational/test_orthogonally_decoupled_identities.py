@@ -22,6 +22,24 @@ import torch
 
 from gpytorch_decoupled.variational import IndependentMultitaskVariationalStrategy
 from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrategy as ODVGPStrategy
+from tests.float64_problems import (
+    F64,
+    JITTER,
+    LENGTHSCALE,
+    NOISE,
+    OUTPUTSCALE,
+    finite_domain,
+    full_batch_elbo,
+    generator,
+    jittered_kernel_matrix,
+    kernel_matrix,
+    odvgp_blocks,
+    prior_variances,
+    randn,
+    random_spd,
+    regression_problem,
+    relative_error,
+)
 from tests.oracles import (
     collapsed_bound,
     exact_log_marginal_likelihood,
@@ -33,42 +51,13 @@ from tests.oracles import (
     odvgp_predictive,
     odvgp_residual_features,
     process_kl,
-    rbf,
     svgp_elbo,
     svgp_kl,
     svgp_predictive,
     titsias_optimal_qu,
 )
 
-F64 = torch.float64
-LENGTHSCALE, OUTPUTSCALE, NOISE, JITTER = 0.7, 1.3, 0.1, 1e-10
-
-
 # --------------------------------------------------------------------------------------------------------- helpers
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _randn(*shape: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, dtype=F64)
-
-
-def _random_spd(n: int, gen: torch.Generator, floor: float = 0.05) -> torch.Tensor:
-    A = 0.5 * _randn(n, n, gen=gen)
-    return A @ A.mT + floor * torch.eye(n, dtype=F64)
-
-
-def _k(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    return rbf(A, B, LENGTHSCALE, OUTPUTSCALE)
-
-
-def _k_beta(beta: torch.Tensor) -> torch.Tensor:
-    """The jittered :math:`\\mathbf K_\\beta` the strategy factors (the oracles are given the same matrix)."""
-    return _k(beta, beta) + JITTER * torch.eye(beta.size(-2), dtype=F64)
-
-
-def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
 class ODVGPModel(gpytorch.models.ApproximateGP):
@@ -130,108 +119,80 @@ def _set_random_state(model: ODVGPModel, gen: torch.Generator, scale: float = 1.
     strategy = model.variational_strategy
     m_beta = strategy.inducing_points.size(-2)
     with torch.no_grad():
-        strategy.mean_coefficients.copy_(scale * _randn(strategy.mean_inducing_points.size(-2), gen=gen))
-    _set_cholesky_q(model, _randn(m_beta, gen=gen), _random_spd(m_beta, gen))
+        strategy.mean_coefficients.copy_(scale * randn(strategy.mean_inducing_points.size(-2), gen=gen))
+    _set_cholesky_q(model, randn(m_beta, gen=gen), random_spd(m_beta, gen))
 
 
 def _unwhitened_block(model: ODVGPModel) -> tuple[torch.Tensor, torch.Tensor]:
     """``(m_beta, S)`` of the strategy's current q(u_beta), unwhitened with the oracle's jittered Cholesky."""
     strategy = model.variational_strategy
-    L = torch.linalg.cholesky(_k_beta(strategy.inducing_points.detach()))
+    L = torch.linalg.cholesky(jittered_kernel_matrix(strategy.inducing_points.detach()))
     q = strategy._variational_distribution()  # not the strategy's property: GPyTorch memoizes it until the next call
     return L @ q.mean.detach(), L @ q.covariance_matrix.detach() @ L.mT
 
 
 def _whiten(beta: torch.Tensor, m_beta: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    L = torch.linalg.cholesky(_k_beta(beta))
+    L = torch.linalg.cholesky(jittered_kernel_matrix(beta))
     m_w = torch.linalg.solve_triangular(L, m_beta.unsqueeze(-1), upper=False).squeeze(-1)
     S_w = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L, S, upper=False).mT, upper=False)
     return m_w, 0.5 * (S_w + S_w.mT)
 
 
-def _full_batch_elbo(model, likelihood, X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """:math:`N\\times` GPyTorch's ``VariationalELBO`` in train mode (spec G2)."""
-    model.train()
-    likelihood.train()
-    mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=X.size(-2))
-    return X.size(-2) * mll(model(X), y)
-
-
-def _domain(seed: int) -> torch.Tensor:
-    """30 distinct 2-D points: a perturbed 6 x 5 grid (spacing ~1, lengthscale 0.7: cond(K_DD) ~ 20)."""
-    gen = _gen(seed)
-    grid = torch.cartesian_prod(torch.linspace(-2.5, 2.5, 6, dtype=F64), torch.linspace(-2.0, 2.0, 5, dtype=F64))
-    return (grid + 0.1 * _randn(30, 2, gen=gen))[torch.randperm(30, generator=gen)]
-
-
-def _regression_problem(seed: int, n: int = 60, m_beta: int = 6, m_gamma: int = 10):
-    """Inducing points on a perturbed 4 x 4 grid (so K_alpha is well conditioned) and noisy 2-D regression data."""
-    gen = _gen(seed)
-    grid = torch.cartesian_prod(*(2 * [torch.linspace(-2.0, 2.0, 4, dtype=F64)])) + 0.05 * _randn(16, 2, gen=gen)
-    grid = grid[torch.randperm(16, generator=gen)]
-    beta, gamma = grid[:m_beta], grid[m_beta : m_beta + m_gamma]
-    X = 4.4 * torch.rand(n, 2, generator=gen, dtype=F64) - 2.2
-    y = torch.sin(1.5 * X[:, 0]) + 0.5 * torch.cos(2.0 * X[:, 1]) + 0.3 * _randn(n, gen=gen)
-    return beta, gamma, X, y
-
-
-def _model_k_diag(n: int) -> torch.Tensor:
-    """:math:`k(x_n, x_n)` as the strategy sees it: GPyTorch adds the jitter to the predictive diagonal too."""
-    return torch.full((n,), OUTPUTSCALE + JITTER, dtype=F64)
-
-
-def _oracle_blocks(beta, gamma, X):
-    """The dense blocks the ODVGP oracles take, with the strategy's jittered K_beta."""
-    return {
-        "K_gg": _k(gamma, gamma),
-        "K_gb": _k(gamma, beta),
-        "K_bb": _k_beta(beta),
-        "K_gX": _k(gamma, X),
-        "K_bX": _k(beta, X),
-    }
-
-
 def _optimal_elbo(beta, gamma, X, y) -> torch.Tensor:
-    b = _oracle_blocks(beta, gamma, X)
-    return odvgp_optimal_elbo(**b, k_XX_diag=_model_k_diag(X.size(0)), y=y, noise=NOISE)
+    b = odvgp_blocks(gamma, beta, X, JITTER)
+    return odvgp_optimal_elbo(**b, k_XX_diag=prior_variances(X.size(0), JITTER), y=y, noise=NOISE)
 
 
 # --------------------------------------------------------------------------------------------- the oracle itself
 def test_oracle_kl_is_the_process_kl_on_a_domain() -> None:
     # K1 for the oracle: (5.3) equals the n-dimensional KL of (5.1)/(0.1) restricted to a domain holding beta, gamma.
-    D = _domain(0)
+    D = finite_domain(0)
     beta, gamma = D[:5], D[5:11]
-    gen = _gen(1)
-    a_gamma, m_beta, S = _randn(6, gen=gen), _randn(5, gen=gen), _random_spd(5, gen)
-    K_bb = _k(beta, beta)
-    mean, cov = odvgp_predictive(K_bb, _k(beta, gamma), _k(beta, D), _k(gamma, D), _k(D, D), a_gamma, m_beta, S)
-    expected = process_kl(mean, cov, torch.zeros(30, dtype=F64), _k(D, D))
+    gen = generator(1)
+    a_gamma, m_beta, S = randn(6, gen=gen), randn(5, gen=gen), random_spd(5, gen)
+    K_bb = kernel_matrix(beta, beta)
+    mean, cov = odvgp_predictive(
+        K_bb,
+        kernel_matrix(beta, gamma),
+        kernel_matrix(beta, D),
+        kernel_matrix(gamma, D),
+        kernel_matrix(D, D),
+        a_gamma,
+        m_beta,
+        S,
+    )
+    expected = process_kl(mean, cov, torch.zeros(30, dtype=F64), kernel_matrix(D, D))
     torch.testing.assert_close(
-        odvgp_kl(K_bb, _k(beta, gamma), _k(gamma, gamma), a_gamma, m_beta, S), expected, rtol=1e-9, atol=0
+        odvgp_kl(K_bb, kernel_matrix(beta, gamma), kernel_matrix(gamma, gamma), a_gamma, m_beta, S),
+        expected,
+        rtol=1e-9,
+        atol=0,
     )
 
 
 def test_oracle_without_mean_basis_is_svgp() -> None:
     # R1 for the oracle: gamma = {} gives the SVGP predictive, KL and ELBO of the sparse_gp oracles.
-    beta, _, X, y = _regression_problem(2)
-    gen = _gen(3)
-    m_beta, S = _randn(6, gen=gen), _random_spd(6, gen)
-    K_bb, K_bX, empty = _k(beta, beta), _k(beta, X), torch.zeros(0, 2, dtype=F64)
+    beta, _, X, y = regression_problem(2)
+    gen = generator(3)
+    m_beta, S = randn(6, gen=gen), random_spd(6, gen)
+    K_bb, K_bX, empty = kernel_matrix(beta, beta), kernel_matrix(beta, X), torch.zeros(0, 2, dtype=F64)
     none = torch.zeros(0, dtype=F64)
-    K_bg, K_gX = _k(beta, empty), _k(empty, X)
-    mean, cov = odvgp_predictive(K_bb, K_bg, K_bX, K_gX, _k(X, X), none, m_beta, S)
-    svgp_mean, svgp_cov = svgp_predictive(K_bb, K_bX, _k(X, X), m_beta, S)
+    K_bg, K_gX = kernel_matrix(beta, empty), kernel_matrix(empty, X)
+    mean, cov = odvgp_predictive(K_bb, K_bg, K_bX, K_gX, kernel_matrix(X, X), none, m_beta, S)
+    svgp_mean, svgp_cov = svgp_predictive(K_bb, K_bX, kernel_matrix(X, X), m_beta, S)
     torch.testing.assert_close(mean, svgp_mean, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(cov, svgp_cov, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(odvgp_kl(K_bb, K_bg, _k(empty, empty), none, m_beta, S), svgp_kl(K_bb, m_beta, S))
+    torch.testing.assert_close(
+        odvgp_kl(K_bb, K_bg, kernel_matrix(empty, empty), none, m_beta, S), svgp_kl(K_bb, m_beta, S)
+    )
     k_diag = torch.full((60,), OUTPUTSCALE, dtype=F64)
-    elbo = odvgp_elbo(K_bb, K_bg, _k(empty, empty), K_bX, K_gX, k_diag, y, NOISE, none, m_beta, S)
+    elbo = odvgp_elbo(K_bb, K_bg, kernel_matrix(empty, empty), K_bX, K_gX, k_diag, y, NOISE, none, m_beta, S)
     torch.testing.assert_close(elbo, svgp_elbo(K_bb, K_bX, k_diag, y, NOISE, m_beta, S), rtol=1e-12, atol=0)
 
 
 def test_oracle_optimum_attains_its_value_and_reduces_to_titsias() -> None:
-    beta, gamma, X, y = _regression_problem(4)
-    b = _oracle_blocks(beta, gamma, X)
+    beta, gamma, X, y = regression_problem(4)
+    b = odvgp_blocks(gamma, beta, X, JITTER)
     k_diag = torch.full((60,), OUTPUTSCALE, dtype=F64)
     a_star, m_star, S_star = odvgp_optimum(**b, y=y, noise=NOISE)
     elbo_star = odvgp_optimal_elbo(**b, k_XX_diag=k_diag, y=y, noise=NOISE)
@@ -247,36 +208,36 @@ def test_oracle_optimum_attains_its_value_and_reduces_to_titsias() -> None:
     # B4: S* is Titsias' covariance for any gamma (all ten points, two of them, none).
     m_titsias, S_titsias = titsias_optimal_qu(b["K_bb"], b["K_bX"], y, NOISE)
     for keep in (10, 2, 0):
-        S_sub = odvgp_optimum(**_oracle_blocks(beta, gamma[:keep], X), y=y, noise=NOISE)[2]
+        S_sub = odvgp_optimum(**odvgp_blocks(gamma[:keep], beta, X, JITTER), y=y, noise=NOISE)[2]
         torch.testing.assert_close(S_sub, S_titsias, rtol=1e-10, atol=1e-12)
     # gamma = {}: the optimum is Titsias' q(u) and (5.13) is the collapsed bound.
-    no_gamma = _oracle_blocks(beta, gamma[:0], X)
+    no_gamma = odvgp_blocks(gamma[:0], beta, X, JITTER)
     torch.testing.assert_close(odvgp_optimum(**no_gamma, y=y, noise=NOISE)[1], m_titsias, rtol=1e-10, atol=1e-12)
     bound = collapsed_bound(b["K_bb"], b["K_bX"], k_diag, y, NOISE)
     value = odvgp_optimal_elbo(**no_gamma, k_XX_diag=k_diag, y=y, noise=NOISE)
     torch.testing.assert_close(value, bound, rtol=1e-12, atol=0)
     # B5: the mean basis can only help (here by a lot); B1 at the optimum.
     assert elbo_star > bound + 1.0
-    assert elbo_star < exact_log_marginal_likelihood(_k(X, X), y, NOISE)
+    assert elbo_star < exact_log_marginal_likelihood(kernel_matrix(X, X), y, NOISE)
 
 
 @pytest.mark.parametrize("num_mean_points", [0, 4])
 def test_oracle_optimum_is_tight_when_the_covariance_basis_is_the_data(num_mean_points: int) -> None:
     # B2: beta = X (and alpha = gamma + beta contains X) gives ELBO* = log p(y).
-    gen = _gen(7)
-    X = torch.cartesian_prod(*(2 * [torch.linspace(-2.0, 2.0, 5, dtype=F64)])) + 0.05 * _randn(25, 2, gen=gen)
-    y = torch.sin(1.5 * X[:, 0]) + 0.3 * _randn(25, gen=gen)
+    gen = generator(7)
+    X = torch.cartesian_prod(*(2 * [torch.linspace(-2.0, 2.0, 5, dtype=F64)])) + 0.05 * randn(25, 2, gen=gen)
+    y = torch.sin(1.5 * X[:, 0]) + 0.3 * randn(25, gen=gen)
     gamma = 0.5 * torch.tensor([[-1.0, -1.0], [1.0, 1.0], [-1.0, 1.0], [1.0, -1.0]], dtype=F64)[:num_mean_points]
-    blocks = {**_oracle_blocks(X, gamma, X), "K_bb": _k(X, X)}
+    blocks = {**odvgp_blocks(gamma, X, X, JITTER), "K_bb": kernel_matrix(X, X)}
     value = odvgp_optimal_elbo(**blocks, k_XX_diag=torch.full((25,), OUTPUTSCALE, dtype=F64), y=y, noise=NOISE)
-    torch.testing.assert_close(value, exact_log_marginal_likelihood(_k(X, X), y, NOISE), rtol=1e-10, atol=0)
+    torch.testing.assert_close(value, exact_log_marginal_likelihood(kernel_matrix(X, X), y, NOISE), rtol=1e-10, atol=0)
 
 
 def test_oracle_conditional_optimum_is_titsias_on_the_residual_targets() -> None:
     # N1's target: with a_gamma fixed, the beta block sees the targets y - Phi a_gamma.
-    beta, gamma, X, y = _regression_problem(5)
-    b = _oracle_blocks(beta, gamma, X)
-    a_gamma = _randn(10, gen=_gen(6))
+    beta, gamma, X, y = regression_problem(5)
+    b = odvgp_blocks(gamma, beta, X, JITTER)
+    a_gamma = randn(10, gen=generator(6))
     phi = odvgp_residual_features(b["K_bb"], b["K_bX"], b["K_gX"], b["K_gb"].mT).mT
     expected = titsias_optimal_qu(b["K_bb"], b["K_bX"], y - phi @ a_gamma, NOISE)
     actual = odvgp_conditional_optimum(b["K_bb"], b["K_gb"].mT, b["K_bX"], b["K_gX"], y, NOISE, a_gamma)
@@ -287,27 +248,41 @@ def test_oracle_conditional_optimum_is_titsias_on_the_residual_targets() -> None
 # ------------------------------------------------------------------------------------------------- KL identities
 @pytest.mark.parametrize("seed", [0, 1])
 def test_k1_kl_is_the_kl_of_the_predicted_process(seed: int) -> None:
-    D = _domain(seed)
+    D = finite_domain(seed)
     beta, gamma = D[:5], D[5:11]  # the other 19 points stand for data and test inputs
     model = ODVGPModel(beta, gamma, constant_mean=0.7)
-    _set_random_state(model, _gen(10 + seed))
+    _set_random_state(model, generator(10 + seed))
     strategy = model.variational_strategy
     model.eval()
     with torch.no_grad():
         output = model(D)
         kl = strategy.kl_divergence()
     prior_mean = torch.full((30,), 0.7, dtype=F64)
-    expected = process_kl(output.mean, output.covariance_matrix, prior_mean, _k(D, D))
+    expected = process_kl(output.mean, output.covariance_matrix, prior_mean, kernel_matrix(D, D))
     torch.testing.assert_close(kl, expected, rtol=1e-8, atol=0)
 
     # The closed forms (5.1), (0.1), (5.3) agree to roundoff (eval mode adds the jitter to the predictive diagonal).
     m_beta, S = _unwhitened_block(model)
     a_gamma = strategy.mean_coefficients.detach()
-    K_ss = _k(D, D) + JITTER * torch.eye(30, dtype=F64)
-    mean, cov = odvgp_predictive(_k_beta(beta), _k(beta, gamma), _k(beta, D), _k(gamma, D), K_ss, a_gamma, m_beta, S)
+    K_ss = kernel_matrix(D, D) + JITTER * torch.eye(30, dtype=F64)
+    mean, cov = odvgp_predictive(
+        jittered_kernel_matrix(beta),
+        kernel_matrix(beta, gamma),
+        kernel_matrix(beta, D),
+        kernel_matrix(gamma, D),
+        K_ss,
+        a_gamma,
+        m_beta,
+        S,
+    )
     torch.testing.assert_close(output.mean, mean + 0.7, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(output.covariance_matrix, cov, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(kl, odvgp_kl(_k_beta(beta), _k(beta, gamma), _k(gamma, gamma), a_gamma, m_beta, S))
+    torch.testing.assert_close(
+        kl,
+        odvgp_kl(
+            jittered_kernel_matrix(beta), kernel_matrix(beta, gamma), kernel_matrix(gamma, gamma), a_gamma, m_beta, S
+        ),
+    )
     # Train mode with num_kl_columns=None gives the same exact KL.
     model.train()
     with torch.no_grad():
@@ -316,10 +291,10 @@ def test_k1_kl_is_the_kl_of_the_predicted_process(seed: int) -> None:
 
 
 def test_k5_column_sampled_kl_is_unbiased() -> None:
-    D = _domain(2)
+    D = finite_domain(2)
     beta, gamma, b = D[:5], D[5:11], 2
     model = ODVGPModel(beta, gamma, num_kl_columns=b)
-    _set_random_state(model, _gen(20))
+    _set_random_state(model, generator(20))
     strategy = model.variational_strategy
     model.eval()
     with torch.no_grad():
@@ -329,7 +304,9 @@ def test_k5_column_sampled_kl_is_unbiased() -> None:
         estimates = torch.stack(
             [strategy.mean_quadratic_form(indices=torch.tensor(C)) for C in itertools.combinations(range(6), b)]
         )
-    schur = _k(gamma, gamma) - _k(gamma, beta) @ torch.linalg.solve(_k_beta(beta), _k(beta, gamma))
+    schur = kernel_matrix(gamma, gamma) - kernel_matrix(gamma, beta) @ torch.linalg.solve(
+        jittered_kernel_matrix(beta), kernel_matrix(beta, gamma)
+    )
     a_gamma = strategy.mean_coefficients.detach()
     torch.testing.assert_close(exact, a_gamma @ schur @ a_gamma, rtol=1e-12, atol=0)
     # Exhaustive average over all 15 samples of size 2 is the exact value.
@@ -350,10 +327,10 @@ def test_k5_column_sampled_kl_is_unbiased() -> None:
 
 
 def test_k5_column_sampled_gradient_is_unbiased() -> None:
-    D = _domain(3)
+    D = finite_domain(3)
     beta, gamma = D[:5], D[5:11]
     model = ODVGPModel(beta, gamma, num_kl_columns=2)
-    _set_random_state(model, _gen(30))
+    _set_random_state(model, generator(30))
     strategy = model.variational_strategy
     model.train()
     params = [strategy.mean_coefficients, model.covar_module.raw_outputscale, strategy.mean_inducing_points]
@@ -389,11 +366,11 @@ class SVGPModel(gpytorch.models.ApproximateGP):
 
 @pytest.mark.parametrize("mean_basis", ["empty", "zero_coefficients"])
 def test_r1_without_mean_basis_is_gpytorch_svgp(mean_basis: str) -> None:
-    beta, gamma, X, y = _regression_problem(6)
+    beta, gamma, X, y = regression_problem(6)
     if mean_basis == "empty":
         gamma = gamma[:0]
     model = ODVGPModel(beta, gamma, constant_mean=0.7)
-    _set_random_state(model, _gen(40))
+    _set_random_state(model, generator(40))
     with torch.no_grad():
         model.variational_strategy.mean_coefficients.zero_()
     svgp = SVGPModel(beta)
@@ -403,7 +380,7 @@ def test_r1_without_mean_basis_is_gpytorch_svgp(mean_basis: str) -> None:
     likelihood = _gaussian_likelihood()
     # Train mode: the same ELBO (marginals and KL).
     torch.testing.assert_close(
-        _full_batch_elbo(model, likelihood, X, y), _full_batch_elbo(svgp, likelihood, X, y), rtol=1e-13, atol=0
+        full_batch_elbo(model, likelihood, X, y), full_batch_elbo(svgp, likelihood, X, y), rtol=1e-13, atol=0
     )
     for m in (model, svgp):
         m.eval()
@@ -418,9 +395,9 @@ def test_r1_without_mean_basis_is_gpytorch_svgp(mean_basis: str) -> None:
 
 # -------------------------------------------------------------------------------------------------- structural
 def test_s1_marginal_at_the_covariance_basis_ignores_the_mean_coefficients() -> None:
-    beta, gamma, _, _ = _regression_problem(7)
+    beta, gamma, _, _ = regression_problem(7)
     model = ODVGPModel(beta, gamma, constant_mean=0.7)
-    _set_random_state(model, _gen(50), scale=3.0)
+    _set_random_state(model, generator(50), scale=3.0)
     m_beta, S = _unwhitened_block(model)
     model.eval()
     with torch.no_grad():
@@ -442,33 +419,33 @@ def test_s1_marginal_at_the_covariance_basis_ignores_the_mean_coefficients() -> 
 # ------------------------------------------------------------------------------------------- bound and optimum
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_b1_elbo_is_below_the_exact_log_marginal_likelihood(seed: int) -> None:
-    beta, gamma, X, y = _regression_problem(10 + seed)
+    beta, gamma, X, y = regression_problem(10 + seed)
     model, likelihood = ODVGPModel(beta, gamma), _gaussian_likelihood()
-    gen = _gen(60 + seed)
+    gen = generator(60 + seed)
     _set_random_state(model, gen)
     with torch.no_grad():
-        elbo = _full_batch_elbo(model, likelihood, X, y)
+        elbo = full_batch_elbo(model, likelihood, X, y)
     # G2: N x VariationalELBO is the summed ELBO (0.3) of the oracle.
     m_beta, S = _unwhitened_block(model)
-    b = _oracle_blocks(beta, gamma, X)
-    k_diag = _model_k_diag(60)
+    b = odvgp_blocks(gamma, beta, X, JITTER)
+    k_diag = prior_variances(60, JITTER)
     a_gamma = model.variational_strategy.mean_coefficients.detach()
     expected = odvgp_elbo(
         b["K_bb"], b["K_gb"].mT, b["K_gg"], b["K_bX"], b["K_gX"], k_diag, y, NOISE, a_gamma, m_beta, S
     )
     torch.testing.assert_close(elbo, expected, rtol=1e-12, atol=0)
-    assert elbo <= _optimal_elbo(beta, gamma, X, y) <= exact_log_marginal_likelihood(_k(X, X), y, NOISE)
+    assert elbo <= _optimal_elbo(beta, gamma, X, y) <= exact_log_marginal_likelihood(kernel_matrix(X, X), y, NOISE)
 
 
 def _set_optimum(model: ODVGPModel, beta, gamma, X, y) -> None:
-    a_star, m_star, S_star = odvgp_optimum(**_oracle_blocks(beta, gamma, X), y=y, noise=NOISE)
+    a_star, m_star, S_star = odvgp_optimum(**odvgp_blocks(gamma, beta, X, JITTER), y=y, noise=NOISE)
     with torch.no_grad():
         model.variational_strategy.mean_coefficients.copy_(a_star)
     _set_cholesky_q(model, *_whiten(beta, m_star, S_star))
 
 
 def test_b3_b4_closed_form_optimum_is_attained_and_stationary() -> None:
-    beta, gamma, X, y = _regression_problem(8)
+    beta, gamma, X, y = regression_problem(8)
     model, likelihood = ODVGPModel(beta, gamma), _gaussian_likelihood()
     _set_optimum(model, beta, gamma, X, y)
     elbo_star = _optimal_elbo(beta, gamma, X, y)
@@ -476,7 +453,7 @@ def test_b3_b4_closed_form_optimum_is_attained_and_stationary() -> None:
     q = strategy._variational_distribution
     blocks = {"a_gamma": strategy.mean_coefficients, "m_w": q.variational_mean, "chol_S_w": q.chol_variational_covar}
 
-    elbo = _full_batch_elbo(model, likelihood, X, y)
+    elbo = full_batch_elbo(model, likelihood, X, y)
     torch.testing.assert_close(elbo.detach(), elbo_star, rtol=1e-10, atol=0)
     # Stationary in every block (the lower triangle of the Cholesky parameter is what the strategy uses).
     grads = torch.autograd.grad(elbo, list(blocks.values()))
@@ -486,17 +463,19 @@ def test_b3_b4_closed_form_optimum_is_attained_and_stationary() -> None:
 
     # B4: the optimal S equals Titsias' (the strategy's q(u) after setting it, unwhitened).
     _, S = _unwhitened_block(model)
-    torch.testing.assert_close(S, titsias_optimal_qu(_k_beta(beta), _k(beta, X), y, NOISE)[1], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(
+        S, titsias_optimal_qu(jittered_kernel_matrix(beta), kernel_matrix(beta, X), y, NOISE)[1], rtol=1e-9, atol=1e-12
+    )
 
     # Random perturbations of each block only decrease the ELBO.
-    gen = _gen(70)
+    gen = generator(70)
     for name, param in blocks.items():
         original = param.detach().clone()
         for _ in range(3):
             with torch.no_grad():
-                step = 0.02 * _randn(*param.shape, gen=gen)
+                step = 0.02 * randn(*param.shape, gen=gen)
                 param.add_(step.tril() if name == "chol_S_w" else step)
-                perturbed = _full_batch_elbo(model, likelihood, X, y)
+                perturbed = full_batch_elbo(model, likelihood, X, y)
                 param.copy_(original)
             assert perturbed < elbo_star - 1e-9 * elbo_star.abs(), name
 
@@ -522,24 +501,24 @@ def _natural_model_with_fixed_hyperparameters(beta: torch.Tensor, gamma: torch.T
 
 @pytest.mark.parametrize("num_mean_points", [10, 0])
 def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) -> None:
-    beta, gamma, X, y = _regression_problem(9)
+    beta, gamma, X, y = regression_problem(9)
     gamma = gamma[:num_mean_points]
     model = ODVGPModel(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
     likelihood = _gaussian_likelihood()
-    gen = _gen(80)
+    gen = generator(80)
     strategy = model.variational_strategy
     with torch.no_grad():
-        strategy.mean_coefficients.copy_(_randn(num_mean_points, gen=gen))
-    _set_natural_q(model, _randn(6, gen=gen), _random_spd(6, gen))
+        strategy.mean_coefficients.copy_(randn(num_mean_points, gen=gen))
+    _set_natural_q(model, randn(6, gen=gen), random_spd(6, gen))
     _freeze_all_but(model, likelihood, *model.variational_parameters())
     ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=60, lr=1.0)
 
     ngd.zero_grad()
-    (-_full_batch_elbo(model, likelihood, X, y) / 60).backward()
+    (-full_batch_elbo(model, likelihood, X, y) / 60).backward()
     ngd.step()
 
     m_beta, S = _unwhitened_block(model)
-    b = _oracle_blocks(beta, gamma, X)
+    b = odvgp_blocks(gamma, beta, X, JITTER)
     a_gamma = strategy.mean_coefficients.detach()
     m_expected, S_expected = odvgp_conditional_optimum(b["K_bb"], b["K_gb"].mT, b["K_bX"], b["K_gX"], y, NOISE, a_gamma)
     torch.testing.assert_close(S, S_expected, rtol=1e-10, atol=1e-12)
@@ -547,15 +526,15 @@ def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) 
     if num_mean_points == 0:
         # Without a mean basis the one step reaches the global optimum: the collapsed bound.
         with torch.no_grad():
-            elbo = _full_batch_elbo(model, likelihood, X, y)
-        k_diag = _model_k_diag(60)
+            elbo = full_batch_elbo(model, likelihood, X, y)
+        k_diag = prior_variances(60, JITTER)
         torch.testing.assert_close(elbo, collapsed_bound(b["K_bb"], b["K_bX"], k_diag, y, NOISE), rtol=1e-12, atol=0)
 
 
 def test_orthnat_reaches_the_closed_form_optimum() -> None:
     # The paper's OrthNat scheme with fixed hyperparameters: an NGD step (size 1) on the beta block, then an Adam
     # step on a_gamma, each on a fresh full-batch ELBO. It must approach ELBO* (5.13) from below.
-    beta, gamma, X, y = _regression_problem(11)
+    beta, gamma, X, y = regression_problem(11)
     model, likelihood, strategy = _natural_model_with_fixed_hyperparameters(beta, gamma)
     ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=60, lr=1.0)
     adam = torch.optim.Adam([strategy.mean_coefficients], lr=0.1)
@@ -565,7 +544,7 @@ def test_orthnat_reaches_the_closed_form_optimum() -> None:
     for _ in range(300):  # about 110 iterations are needed
         for optimizer in (ngd, adam):
             optimizer.zero_grad()
-            elbo = _full_batch_elbo(model, likelihood, X, y)
+            elbo = full_batch_elbo(model, likelihood, X, y)
             (-elbo / 60).backward()
             optimizer.step()
             history.append(elbo.item())
@@ -574,8 +553,8 @@ def test_orthnat_reaches_the_closed_form_optimum() -> None:
     assert abs(history[-1] - elbo_star) < 1e-6 * abs(elbo_star), f"ELBO {history[-1]} vs ELBO* {elbo_star}"
     assert max(history) <= elbo_star + 1e-9 * abs(elbo_star)
     # The mean coefficients approach the closed-form a_gamma*.
-    a_star = odvgp_optimum(**_oracle_blocks(beta, gamma, X), y=y, noise=NOISE)[0]
-    assert _rel(strategy.mean_coefficients.detach(), a_star) < 0.05
+    a_star = odvgp_optimum(**odvgp_blocks(gamma, beta, X, JITTER), y=y, noise=NOISE)[0]
+    assert relative_error(strategy.mean_coefficients.detach(), a_star) < 0.05
 
 
 # ---------------------------------------------------------------------------------------- non-Gaussian likelihoods
@@ -598,7 +577,7 @@ def _train(model, likelihood, objective, X, y, num_data: int, steps: int = 100, 
 
 @pytest.mark.parametrize("objective", [gpytorch.mlls.VariationalELBO, gpytorch.mlls.PredictiveLogLikelihood])
 def test_bernoulli_classification_trains(objective) -> None:
-    gen = _gen(90)
+    gen = generator(90)
     X = 4.0 * torch.rand(80, 2, generator=gen, dtype=F64) - 2.0
     labels = (torch.sin(1.5 * X[:, 0]) + X[:, 1] > 0).to(F64)
     beta = torch.cartesian_prod(*(2 * [torch.linspace(-1.6, 1.6, 3, dtype=F64)]))
@@ -618,10 +597,10 @@ def test_bernoulli_classification_trains(objective) -> None:
 
 
 def test_softmax_classification_with_three_latents_trains() -> None:
-    gen = _gen(91)
+    gen = generator(91)
     centres = torch.tensor([[-1.5, -0.8], [1.5, -0.8], [0.0, 1.6]], dtype=F64)
     labels = torch.arange(3).repeat_interleave(30)
-    X = centres[labels] + 0.6 * _randn(90, 2, gen=gen)
+    X = centres[labels] + 0.6 * randn(90, 2, gen=gen)
     beta = torch.cartesian_prod(*(2 * [torch.linspace(-2.0, 2.0, 3, dtype=F64)]))
     model = ODVGPModel(beta, X[::5].clone(), num_kl_columns=6, batch_shape=torch.Size([3]))
     base = model.variational_strategy
@@ -645,9 +624,9 @@ def test_softmax_classification_with_three_latents_trains() -> None:
 
 # ------------------------------------------------------------------------------------------------------ bad input
 def test_bad_inputs_raise_and_leave_the_model_unchanged() -> None:
-    beta, gamma, X, y = _regression_problem(12)
+    beta, gamma, X, y = regression_problem(12)
     model, likelihood = ODVGPModel(beta, gamma), _gaussian_likelihood()
-    _set_random_state(model, _gen(100))
+    _set_random_state(model, generator(100))
     state = {name: value.clone() for name, value in model.state_dict().items()}
     model.eval()
     with torch.no_grad():
