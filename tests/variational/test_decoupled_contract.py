@@ -17,7 +17,7 @@ from gpytorch.utils.warnings import NumericalWarning
 
 from gpytorch_decoupled.variational import DecoupledVariationalDistribution, DecoupledVariationalStrategy
 from gpytorch_decoupled.variational import decoupled_variational_strategy as decoupled_module
-from tests.strategy_contract_test_case import StrategyContractTestCase
+from tests.strategy_contract_test_case import DecoupledStrategyContractTestCase
 
 F64 = torch.float64
 NUM_MEAN_POINTS = 24
@@ -47,32 +47,10 @@ sampled_decoupled_strategy = _decoupled_factory(num_kl_columns=8)
 preconditioned_decoupled_strategy = _decoupled_factory(jacobi_preconditioning=True)
 
 
-class TestDecoupledContract(StrategyContractTestCase, unittest.TestCase):
-    @property
-    def batch_shape(self):
-        return torch.Size([])
-
-    @property
-    def distribution_cls(self):
-        return gpytorch.variational.CholeskyVariationalDistribution  # replaced by the factory
-
-    @property
-    def mll_cls(self):
-        return gpytorch.mlls.VariationalELBO
-
+class TestDecoupledContract(DecoupledStrategyContractTestCase, unittest.TestCase):
     @property
     def strategy_cls(self):
         return decoupled_strategy
-
-    def test_training_iteration(self, *args, **kwargs):
-        cg_mock, cholesky_mock, ciq_mock = super().test_training_iteration(*args, **kwargs)
-        self.assertFalse(cg_mock.called)
-        self.assertFalse(ciq_mock.called)
-
-    def test_eval_iteration(self, *args, **kwargs):
-        cg_mock, cholesky_mock, ciq_mock = super().test_eval_iteration(*args, **kwargs)
-        self.assertFalse(cg_mock.called)
-        self.assertFalse(ciq_mock.called)
 
     def test_factory_builds_the_decoupled_distribution(self):
         model, _ = self._make_model_and_likelihood(
@@ -112,11 +90,6 @@ class TestDecoupledContract(StrategyContractTestCase, unittest.TestCase):
             model(test_x)
             strategy.kl_divergence()
         self.assertEqual(jittered.call_count, 1)
-
-    def test_fantasy_call(self, *args, **kwargs):
-        # Online variational conditioning is defined for the single-basis SVGP only.
-        with self.assertRaises(NotImplementedError):
-            super().test_fantasy_call(*args, **kwargs)
 
 
 class TestDecoupledPredictiveContract(TestDecoupledContract):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import unittest
 import unittest.mock
+from functools import partial
 
 import gpytorch
 import pytest
@@ -17,7 +18,7 @@ from gpytorch_decoupled.variational import (
     OrthogonallyDecoupledVariationalStrategy,
     convert_mean_basis,
 )
-from tests.strategy_contract_test_case import StrategyContractTestCase
+from tests.strategy_contract_test_case import DecoupledStrategyContractTestCase, residual_mean_strategy
 
 F64 = torch.float64
 
@@ -25,40 +26,13 @@ F64 = torch.float64
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def hybrid_strategy(model, inducing_points, variational_distribution, learn_inducing_locations=True):
-    """The test-case factory: a mean basis of 24 points next to the 16 covariance points of the contract's model."""
-    mean_inducing_points = torch.randn(24, inducing_points.size(-1), dtype=inducing_points.dtype)
-    return HybridVariationalStrategy(
-        model, inducing_points, variational_distribution, mean_inducing_points, learn_inducing_locations
-    )
+hybrid_strategy = partial(residual_mean_strategy, HybridVariationalStrategy)
 
 
-class TestHybridContract(StrategyContractTestCase, unittest.TestCase):
-    @property
-    def batch_shape(self):
-        return torch.Size([])
-
-    @property
-    def distribution_cls(self):
-        return gpytorch.variational.CholeskyVariationalDistribution
-
-    @property
-    def mll_cls(self):
-        return gpytorch.mlls.VariationalELBO
-
+class TestHybridContract(DecoupledStrategyContractTestCase, unittest.TestCase):
     @property
     def strategy_cls(self):
         return hybrid_strategy
-
-    def test_training_iteration(self, *args, **kwargs):
-        cg_mock, cholesky_mock, ciq_mock = super().test_training_iteration(*args, **kwargs)
-        self.assertFalse(cg_mock.called)
-        self.assertFalse(ciq_mock.called)
-
-    def test_eval_iteration(self, *args, **kwargs):
-        cg_mock, cholesky_mock, ciq_mock = super().test_eval_iteration(*args, **kwargs)
-        self.assertFalse(cg_mock.called)
-        self.assertFalse(ciq_mock.called)
 
     def test_eval_predictions_reuse_the_cached_factors(self):
         model, _ = self._fitted_model(batch_shape=self.batch_shape)
@@ -86,11 +60,6 @@ class TestHybridContract(StrategyContractTestCase, unittest.TestCase):
         self._assert_same_prediction(third, second, rtol=0, atol=0)
         for key, value in cached.items():
             self.assertIs(strategy._memoize_cache[key], value, msg=f"cache entry {key} was recomputed")
-
-    def test_fantasy_call(self, *args, **kwargs):
-        # Online variational conditioning is defined for the single-basis SVGP only.
-        with self.assertRaises(NotImplementedError):
-            super().test_fantasy_call(*args, **kwargs)
 
 
 class TestHybridPredictiveContract(TestHybridContract):

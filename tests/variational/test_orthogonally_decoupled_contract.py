@@ -2,48 +2,21 @@
 
 import unittest
 import unittest.mock
+from functools import partial
 
 import gpytorch
 import torch
 
 from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrategy
-from tests.strategy_contract_test_case import StrategyContractTestCase
+from tests.strategy_contract_test_case import DecoupledStrategyContractTestCase, residual_mean_strategy
+
+orthogonal_strategy = partial(residual_mean_strategy, OrthogonallyDecoupledVariationalStrategy)
 
 
-def orthogonal_strategy(model, inducing_points, variational_distribution, learn_inducing_locations=True):
-    """The test-case factory: a mean basis of 24 points next to the 16 covariance points of the contract's model."""
-    mean_inducing_points = torch.randn(24, inducing_points.size(-1), dtype=inducing_points.dtype)
-    return OrthogonallyDecoupledVariationalStrategy(
-        model, inducing_points, variational_distribution, mean_inducing_points, learn_inducing_locations
-    )
-
-
-class TestOrthogonallyDecoupledContract(StrategyContractTestCase, unittest.TestCase):
-    @property
-    def batch_shape(self):
-        return torch.Size([])
-
-    @property
-    def distribution_cls(self):
-        return gpytorch.variational.CholeskyVariationalDistribution
-
-    @property
-    def mll_cls(self):
-        return gpytorch.mlls.VariationalELBO
-
+class TestOrthogonallyDecoupledContract(DecoupledStrategyContractTestCase, unittest.TestCase):
     @property
     def strategy_cls(self):
         return orthogonal_strategy
-
-    def test_training_iteration(self, *args, **kwargs):
-        cg_mock, cholesky_mock, ciq_mock = super().test_training_iteration(*args, **kwargs)
-        self.assertFalse(cg_mock.called)
-        self.assertFalse(ciq_mock.called)
-
-    def test_eval_iteration(self, *args, **kwargs):
-        cg_mock, cholesky_mock, ciq_mock = super().test_eval_iteration(*args, **kwargs)
-        self.assertFalse(cg_mock.called)
-        self.assertFalse(ciq_mock.called)
 
     def test_eval_predictions_reuse_the_cached_factor(self):
         model, _ = self._fitted_model()
@@ -53,11 +26,6 @@ class TestOrthogonallyDecoupledContract(StrategyContractTestCase, unittest.TestC
         with unittest.mock.patch("torch.linalg.cholesky_ex", wraps=torch.linalg.cholesky_ex) as cholesky:
             self._predict(model, test_x[:5])
         self.assertEqual(cholesky.call_count, 0)
-
-    def test_fantasy_call(self, *args, **kwargs):
-        # Online variational conditioning is defined for the single-basis SVGP only.
-        with self.assertRaises(NotImplementedError):
-            super().test_fantasy_call(*args, **kwargs)
 
 
 class TestOrthogonallyDecoupledPredictiveContract(TestOrthogonallyDecoupledContract):
