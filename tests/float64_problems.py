@@ -114,3 +114,20 @@ def full_batch_elbo(model, likelihood, X: torch.Tensor, y: torch.Tensor) -> torc
     likelihood.train()
     mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=X.size(-2))
     return X.size(-2) * mll(model(X), y)
+
+
+def fix_hyperparameters(model: gpytorch.Module, constant_mean: float | None = None) -> None:
+    """Makes ``model`` float64 and gives its ``ScaleKernel(RBFKernel())`` the fixed kernel (and its ``ConstantMean``
+    the value ``constant_mean``), set from float64 tensors: a Python float would round through float32."""
+    model.double()
+    model.covar_module.base_kernel.lengthscale = torch.tensor(LENGTHSCALE, dtype=F64)
+    model.covar_module.outputscale = torch.tensor(OUTPUTSCALE, dtype=F64)
+    if constant_mean is not None:
+        model.mean_module.constant = torch.tensor(constant_mean, dtype=F64)
+
+
+def gaussian_likelihood() -> gpytorch.likelihoods.GaussianLikelihood:
+    """A float64 Gaussian likelihood with the fixed noise."""
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    likelihood.noise = torch.tensor(NOISE, dtype=F64)
+    return likelihood

@@ -24,14 +24,14 @@ from gpytorch_decoupled.variational import DecoupledVariationalDistribution, Dec
 from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrategy as ODVGPStrategy
 from tests.float64_problems import (
     F64,
-    LENGTHSCALE,
     NOISE,
-    OUTPUTSCALE,
     covariance_below,
     decoupled_blocks,
     eye,
     finite_domain,
+    fix_hyperparameters,
     full_batch_elbo,
+    gaussian_likelihood,
     generator,
     kernel_matrix,
     odvgp_blocks,
@@ -63,15 +63,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 # --------------------------------------------------------------------------------------------------------- helpers
 
 
-def _set_kernel(model: gpytorch.models.ApproximateGP, constant_mean: float | None) -> None:
-    model.double()
-    # Set from float64 tensors: a Python float would round through float32.
-    model.covar_module.base_kernel.lengthscale = torch.tensor(LENGTHSCALE, dtype=F64)
-    model.covar_module.outputscale = torch.tensor(OUTPUTSCALE, dtype=F64)
-    if constant_mean is not None:
-        model.mean_module.constant = torch.tensor(constant_mean, dtype=F64)
-
-
 def _mean_module(constant_mean: float | None) -> gpytorch.means.Mean:
     return gpytorch.means.ZeroMean() if constant_mean is None else gpytorch.means.ConstantMean()
 
@@ -94,7 +85,7 @@ class DecoupledModel(gpytorch.models.ApproximateGP):
         super().__init__(strategy)
         self.mean_module = _mean_module(constant_mean)
         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        _set_kernel(self, constant_mean)
+        fix_hyperparameters(self, constant_mean)
 
     def forward(self, x):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
@@ -108,7 +99,7 @@ class SVGPModel(gpytorch.models.ApproximateGP):
         super().__init__(gpytorch.variational.VariationalStrategy(self, beta, q_u, jitter_val=0.0))
         self.mean_module = _mean_module(constant_mean)
         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        _set_kernel(self, constant_mean)
+        fix_hyperparameters(self, constant_mean)
         self.variational_strategy.variational_params_initialized.fill_(1)
 
     def forward(self, x):
@@ -124,17 +115,11 @@ class ODVGPModel(gpytorch.models.ApproximateGP):
         super().__init__(strategy)
         self.mean_module = gpytorch.means.ZeroMean()
         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        _set_kernel(self, None)
+        fix_hyperparameters(self, None)
         strategy.variational_params_initialized.fill_(1)
 
     def forward(self, x):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-
-def _gaussian_likelihood() -> gpytorch.likelihoods.GaussianLikelihood:
-    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
-    likelihood.noise = torch.tensor(NOISE, dtype=F64)
-    return likelihood
 
 
 def _set_q(model: DecoupledModel, a: torch.Tensor, L_B: torch.Tensor) -> None:
@@ -237,7 +222,7 @@ def test_k3_exact_kl_is_the_kl_of_the_predicted_process(seed: int, rank: int | N
 def test_b1_elbo_matches_the_oracle_and_is_below_the_log_marginal_likelihood(seed: int) -> None:
     beta, gamma, X, y = regression_problem(10 + seed)
     alpha = torch.cat([gamma, beta])
-    model, likelihood = DecoupledModel(beta, alpha, constant_mean=CONSTANT_MEAN), _gaussian_likelihood()
+    model, likelihood = DecoupledModel(beta, alpha, constant_mean=CONSTANT_MEAN), gaussian_likelihood()
     gen = generator(60 + seed)
     a, L_B = 0.3 * randn(16, gen=gen), random_factor(6, gen, scale=0.7)
     _set_q(model, a, L_B)
@@ -275,7 +260,7 @@ def test_r3_with_alpha_equal_to_beta_is_gpytorch_svgp() -> None:
         q_u.variational_mean.copy_(torch.linalg.solve_triangular(L, m.unsqueeze(-1), upper=False).squeeze(-1))
         S_w = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L, S, upper=False).mT, upper=False)
         q_u.chol_variational_covar.copy_(torch.linalg.cholesky(0.5 * (S_w + S_w.mT)))
-    likelihood = _gaussian_likelihood()
+    likelihood = gaussian_likelihood()
     with torch.no_grad():
         ours, theirs = full_batch_elbo(model, likelihood, X, y), full_batch_elbo(svgp, likelihood, X, y)
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=0)
@@ -425,7 +410,7 @@ def test_g1_kl_gradients_match_cheng_and_boots(rank: int | None) -> None:
 def test_b3_b4_closed_form_optimum_is_attained_and_stationary() -> None:
     beta, gamma, X, y = regression_problem(8)
     alpha = torch.cat([gamma, beta])
-    model, likelihood = DecoupledModel(beta, alpha), _gaussian_likelihood()
+    model, likelihood = DecoupledModel(beta, alpha), gaussian_likelihood()
     _set_optimum(model, alpha, beta, X, y)
     elbo_star = _optimal_elbo(gamma, beta, X, y)
     q = model.variational_strategy._variational_distribution
@@ -469,7 +454,7 @@ def test_b3_adam_approaches_the_optimum_loosely() -> None:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = DecoupledModel(beta, alpha)
-    likelihood = _gaussian_likelihood()
+    likelihood = gaussian_likelihood()
     elbo_star = _optimal_elbo(gamma, beta, X, y).item()
     optimizer = torch.optim.Adam(model.variational_parameters(), lr=0.1)
     history = []
@@ -489,7 +474,7 @@ def test_b5_optimum_is_the_odvgp_optimum() -> None:
     # alpha = [gamma; beta] at (3.3) and ODVGP at (5.10)-(5.12) are the same process: same predictive, same ELBO.
     beta, gamma, X, y = regression_problem(9)
     alpha = torch.cat([gamma, beta])
-    model, likelihood = DecoupledModel(beta, alpha), _gaussian_likelihood()
+    model, likelihood = DecoupledModel(beta, alpha), gaussian_likelihood()
     _set_optimum(model, alpha, beta, X, y)
     odvgp = ODVGPModel(beta, gamma)
     a_gamma, m_beta, S = odvgp_optimum(**odvgp_blocks(gamma, beta, X), y=y, noise=NOISE)
@@ -526,7 +511,7 @@ def test_duplicate_covariance_basis_points_are_harmless() -> None:
     B_dedup = P @ L_B @ L_B.mT @ P.mT
     _set_q(duplicated, a, L_B)
     _set_q(deduplicated, a, torch.linalg.cholesky(0.5 * (B_dedup + B_dedup.mT)))
-    likelihood = _gaussian_likelihood()
+    likelihood = gaussian_likelihood()
     elbo = full_batch_elbo(duplicated, likelihood, X, y)
     q = duplicated.variational_strategy._variational_distribution
     grads = torch.autograd.grad(elbo, [q.mean_coefficients, q.precision_factor])
@@ -573,7 +558,7 @@ def test_jacobi_preconditioning_does_not_change_the_optimum() -> None:
     alpha = torch.cat([gamma, beta])
     plain = _LinearPlusSEModel(beta, alpha, jacobi_preconditioning=False)
     preconditioned = _LinearPlusSEModel(beta, alpha, jacobi_preconditioning=True)
-    likelihood = _gaussian_likelihood()
+    likelihood = gaussian_likelihood()
     d_alpha, d_beta = plain.dense(alpha, alpha).diagonal(), plain.dense(beta, beta).diagonal()
     assert d_alpha.max() - d_alpha.min() > 1.0
 

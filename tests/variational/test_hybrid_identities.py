@@ -27,11 +27,11 @@ from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrat
 from tests.float64_problems import (
     F64,
     JITTER,
-    LENGTHSCALE,
     NOISE,
-    OUTPUTSCALE,
     finite_domain,
+    fix_hyperparameters,
     full_batch_elbo,
+    gaussian_likelihood,
     generator,
     jittered_kernel_matrix,
     kernel_matrix,
@@ -82,12 +82,7 @@ class MeanBasisModel(gpytorch.models.ApproximateGP):
         super().__init__(strategy)
         self.mean_module = gpytorch.means.ZeroMean() if constant_mean is None else gpytorch.means.ConstantMean()
         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        self.double()
-        # Set from float64 tensors: a Python float would round through float32.
-        self.covar_module.base_kernel.lengthscale = torch.tensor(LENGTHSCALE, dtype=F64)
-        self.covar_module.outputscale = torch.tensor(OUTPUTSCALE, dtype=F64)
-        if constant_mean is not None:
-            self.mean_module.constant = torch.tensor(constant_mean, dtype=F64)
+        fix_hyperparameters(self, constant_mean)
         # Fix q(u) now: the first call would otherwise overwrite what a test sets with the prior.
         strategy.variational_params_initialized.fill_(1)
 
@@ -103,10 +98,7 @@ class SVGPModel(gpytorch.models.ApproximateGP):
         super().__init__(gpytorch.variational.VariationalStrategy(self, beta, q_u, jitter_val=JITTER))
         self.mean_module = gpytorch.means.ConstantMean()
         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        self.double()
-        self.covar_module.base_kernel.lengthscale = torch.tensor(LENGTHSCALE, dtype=F64)
-        self.covar_module.outputscale = torch.tensor(OUTPUTSCALE, dtype=F64)
-        self.mean_module.constant = torch.tensor(CONSTANT_MEAN, dtype=F64)
+        fix_hyperparameters(self, CONSTANT_MEAN)
         self.variational_strategy.variational_params_initialized.fill_(1)
 
     def forward(self, x):
@@ -121,18 +113,10 @@ class DecoupledModel(gpytorch.models.ApproximateGP):
         super().__init__(DecoupledVariationalStrategy(self, beta, q, alpha, num_kl_columns=None))
         self.mean_module = gpytorch.means.ZeroMean()
         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        self.double()
-        self.covar_module.base_kernel.lengthscale = torch.tensor(LENGTHSCALE, dtype=F64)
-        self.covar_module.outputscale = torch.tensor(OUTPUTSCALE, dtype=F64)
+        fix_hyperparameters(self)
 
     def forward(self, x):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-
-def _gaussian_likelihood() -> gpytorch.likelihoods.GaussianLikelihood:
-    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
-    likelihood.noise = torch.tensor(NOISE, dtype=F64)
-    return likelihood
 
 
 def _whiten(beta: torch.Tensor, m_beta: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +180,7 @@ def _oracle_elbo(beta, gamma, X, y, a_gamma, m_beta, S) -> torch.Tensor:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_predictive_kl_and_elbo_match_the_oracles(seed: int) -> None:
     beta, gamma, X, y = regression_problem(seed)
-    model, likelihood = MeanBasisModel(beta, gamma), _gaussian_likelihood()
+    model, likelihood = MeanBasisModel(beta, gamma), gaussian_likelihood()
     _set_q(model, *_random_state(generator(20 + seed)))
     a_gamma, m_beta, S = _state(model)
     X_test = torch.cat([X[:20], beta])
@@ -276,7 +260,7 @@ def test_r2_without_mean_coefficients_is_gpytorch_svgp(mean_basis: str) -> None:
     svgp.variational_strategy._variational_distribution.load_state_dict(
         model.variational_strategy._variational_distribution.state_dict()
     )
-    likelihood = _gaussian_likelihood()
+    likelihood = gaussian_likelihood()
     torch.testing.assert_close(
         full_batch_elbo(model, likelihood, X, y), full_batch_elbo(svgp, likelihood, X, y), rtol=1e-13, atol=0
     )
@@ -314,7 +298,7 @@ def test_s2_convert_mean_basis_maps_hybrid_to_odvgp_and_back(target_distribution
     assert (m_odvgp - m_hyb).abs().max() > 0.1  # the map is not the identity
 
     # The same process: ELBO, KL, mean and covariance.
-    likelihood = _gaussian_likelihood()
+    likelihood = gaussian_likelihood()
     with torch.no_grad():
         torch.testing.assert_close(
             full_batch_elbo(odvgp, likelihood, X, y), full_batch_elbo(hybrid, likelihood, X, y), rtol=1e-11, atol=0
@@ -356,7 +340,7 @@ def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) 
     beta, gamma, X, y = regression_problem(9)
     gamma = gamma[:num_mean_points]
     model = MeanBasisModel(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
-    likelihood = _gaussian_likelihood()
+    likelihood = gaussian_likelihood()
     a_gamma, m_beta, S = _random_state(generator(80), m_gamma=num_mean_points)
     _set_q(model, a_gamma, m_beta, S)
     for p in [*model.parameters(), *likelihood.parameters()]:
@@ -394,7 +378,7 @@ def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) 
 def test_b5_hybrid_odvgp_and_decoupled_share_the_optimum() -> None:
     beta, gamma, X, y = regression_problem(8)
     b = odvgp_blocks(gamma, beta, X, JITTER)
-    likelihood = _gaussian_likelihood()
+    likelihood = gaussian_likelihood()
     y_centred = y - CONSTANT_MEAN
     elbo_star = odvgp_optimal_elbo(**b, k_XX_diag=prior_variances(60, JITTER), y=y_centred, noise=NOISE)
 

@@ -25,11 +25,12 @@ from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrat
 from tests.float64_problems import (
     F64,
     JITTER,
-    LENGTHSCALE,
     NOISE,
     OUTPUTSCALE,
     finite_domain,
+    fix_hyperparameters,
     full_batch_elbo,
+    gaussian_likelihood,
     generator,
     jittered_kernel_matrix,
     kernel_matrix,
@@ -80,23 +81,12 @@ class ODVGPModel(gpytorch.models.ApproximateGP):
         else:
             self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch_shape)
         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(batch_shape=batch_shape))
-        self.double()
-        # Set from float64 tensors: a Python float would round through float32.
-        self.covar_module.base_kernel.lengthscale = torch.tensor(LENGTHSCALE, dtype=F64)
-        self.covar_module.outputscale = torch.tensor(OUTPUTSCALE, dtype=F64)
-        if constant_mean is not None:
-            self.mean_module.constant = torch.tensor(constant_mean, dtype=F64)
+        fix_hyperparameters(self, constant_mean)
         # Fix q(u) now: the first call would otherwise overwrite what a test sets with the prior.
         strategy.variational_params_initialized.fill_(1)
 
     def forward(self, x):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-
-def _gaussian_likelihood() -> gpytorch.likelihoods.GaussianLikelihood:
-    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
-    likelihood.noise = torch.tensor(NOISE, dtype=F64)
-    return likelihood
 
 
 def _set_cholesky_q(model: ODVGPModel, m_w: torch.Tensor, S_w: torch.Tensor) -> None:
@@ -354,10 +344,7 @@ class SVGPModel(gpytorch.models.ApproximateGP):
         super().__init__(gpytorch.variational.VariationalStrategy(self, beta, q_u, jitter_val=JITTER))
         self.mean_module = gpytorch.means.ConstantMean()
         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        self.double()
-        self.covar_module.base_kernel.lengthscale = torch.tensor(LENGTHSCALE, dtype=F64)
-        self.covar_module.outputscale = torch.tensor(OUTPUTSCALE, dtype=F64)
-        self.mean_module.constant = torch.tensor(0.7, dtype=F64)
+        fix_hyperparameters(self, 0.7)
         self.variational_strategy.variational_params_initialized.fill_(1)
 
     def forward(self, x):
@@ -377,7 +364,7 @@ def test_r1_without_mean_basis_is_gpytorch_svgp(mean_basis: str) -> None:
     svgp.variational_strategy._variational_distribution.load_state_dict(
         model.variational_strategy._variational_distribution.state_dict()
     )
-    likelihood = _gaussian_likelihood()
+    likelihood = gaussian_likelihood()
     # Train mode: the same ELBO (marginals and KL).
     torch.testing.assert_close(
         full_batch_elbo(model, likelihood, X, y), full_batch_elbo(svgp, likelihood, X, y), rtol=1e-13, atol=0
@@ -420,7 +407,7 @@ def test_s1_marginal_at_the_covariance_basis_ignores_the_mean_coefficients() -> 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_b1_elbo_is_below_the_exact_log_marginal_likelihood(seed: int) -> None:
     beta, gamma, X, y = regression_problem(10 + seed)
-    model, likelihood = ODVGPModel(beta, gamma), _gaussian_likelihood()
+    model, likelihood = ODVGPModel(beta, gamma), gaussian_likelihood()
     gen = generator(60 + seed)
     _set_random_state(model, gen)
     with torch.no_grad():
@@ -446,7 +433,7 @@ def _set_optimum(model: ODVGPModel, beta, gamma, X, y) -> None:
 
 def test_b3_b4_closed_form_optimum_is_attained_and_stationary() -> None:
     beta, gamma, X, y = regression_problem(8)
-    model, likelihood = ODVGPModel(beta, gamma), _gaussian_likelihood()
+    model, likelihood = ODVGPModel(beta, gamma), gaussian_likelihood()
     _set_optimum(model, beta, gamma, X, y)
     elbo_star = _optimal_elbo(beta, gamma, X, y)
     strategy = model.variational_strategy
@@ -491,7 +478,7 @@ def _freeze_all_but(model, likelihood, *keep: torch.nn.Parameter) -> None:
 def _natural_model_with_fixed_hyperparameters(beta: torch.Tensor, gamma: torch.Tensor):
     """A natural-gradient beta block and a_gamma = 0 as the only free parameters (the OrthNat test problems)."""
     model = ODVGPModel(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
-    likelihood = _gaussian_likelihood()
+    likelihood = gaussian_likelihood()
     strategy = model.variational_strategy
     with torch.no_grad():
         strategy.mean_coefficients.zero_()
@@ -504,7 +491,7 @@ def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) 
     beta, gamma, X, y = regression_problem(9)
     gamma = gamma[:num_mean_points]
     model = ODVGPModel(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
-    likelihood = _gaussian_likelihood()
+    likelihood = gaussian_likelihood()
     gen = generator(80)
     strategy = model.variational_strategy
     with torch.no_grad():
@@ -625,7 +612,7 @@ def test_softmax_classification_with_three_latents_trains() -> None:
 # ------------------------------------------------------------------------------------------------------ bad input
 def test_bad_inputs_raise_and_leave_the_model_unchanged() -> None:
     beta, gamma, X, y = regression_problem(12)
-    model, likelihood = ODVGPModel(beta, gamma), _gaussian_likelihood()
+    model, likelihood = ODVGPModel(beta, gamma), gaussian_likelihood()
     _set_random_state(model, generator(100))
     state = {name: value.clone() for name, value in model.state_dict().items()}
     model.eval()
