@@ -18,36 +18,39 @@ import pytest
 import torch
 
 from gpytorch_decoupled.optim import OrthogonalMeanNaturalGradient
+from tests.float64_problems import (
+    F64,
+    JITTER,
+    NOISE,
+    full_batch_elbo,
+    generator,
+    odvgp_blocks,
+    randn,
+    regression_problem,
+)
 from tests.oracles import odvgp_residual_features
 from tests.variational.test_orthogonally_decoupled_identities import (
-    F64,
-    NOISE,
-    _full_batch_elbo,
-    _gen,
     _natural_model_with_fixed_hyperparameters,
     _optimal_elbo,
-    _oracle_blocks,
-    _randn,
-    _regression_problem,
 )
 
 EPSILON = 1e-12  # the rule's jitter on D; the dense bound below uses the same D + EPSILON
 
 
 def _problem():
-    beta, gamma, X, y = _regression_problem(14, m_gamma=10)
+    beta, gamma, X, y = regression_problem(14, m_gamma=10)
     model, likelihood, _ = _natural_model_with_fixed_hyperparameters(beta, gamma)
     return model, likelihood, beta, gamma, X, y
 
 
 def _residual_schur(beta, gamma, X) -> torch.Tensor:
-    b = _oracle_blocks(beta, gamma, X)
+    b = odvgp_blocks(gamma, beta, X, JITTER)
     return b["K_gg"] - b["K_gb"] @ torch.linalg.solve(b["K_bb"], b["K_gb"].mT)
 
 
 def _stability_limit(beta, gamma, X) -> tuple[float, float]:
     """``(2 / lambda_max, 2 / (lambda_min + lambda_max))`` of the preconditioned profile Hessian (dense oracle)."""
-    b = _oracle_blocks(beta, gamma, X)
+    b = odvgp_blocks(gamma, beta, X, JITTER)
     K_bg = b["K_gb"].mT
     phi = odvgp_residual_features(b["K_bb"], b["K_bX"], b["K_gX"], K_bg).mT  # (N, M_gamma)
     projection = torch.linalg.solve(b["K_bb"], b["K_bX"]).mT  # K_Xb K_b^-1, (N, M_beta)
@@ -72,7 +75,7 @@ def _run_orthnat_diagonal(lr: float, iterations: int, stop_gap: float | None = N
     for _ in range(iterations):
         for optimizer in (ngd, mean_step):
             optimizer.zero_grad()
-            elbo = _full_batch_elbo(model, likelihood, X, y)
+            elbo = full_batch_elbo(model, likelihood, X, y)
             (-elbo / 60).backward()
             optimizer.step()
             history.append(elbo.item())
@@ -92,10 +95,10 @@ def test_one_step_is_the_diagonal_rule() -> None:
     model, likelihood, beta, gamma, X, y = _problem()
     strategy = model.variational_strategy
     with torch.no_grad():
-        strategy.mean_coefficients.copy_(_randn(10, gen=_gen(1)))
+        strategy.mean_coefficients.copy_(randn(10, gen=generator(1)))
     lr = 0.01
     mean_step = OrthogonalMeanNaturalGradient(strategy, num_data=60, lr=lr, jitter=1e-3)
-    (-_full_batch_elbo(model, likelihood, X, y) / 60).backward()
+    (-full_batch_elbo(model, likelihood, X, y) / 60).backward()
     before, grad = strategy.mean_coefficients.detach().clone(), strategy.mean_coefficients.grad.clone()
     mean_step.step()
     expected = before - lr * 60 * grad / (torch.diagonal(_residual_schur(beta, gamma, X)) + 1e-3)
@@ -137,13 +140,13 @@ def test_non_finite_update_leaves_the_coefficients_unchanged() -> None:
     model, likelihood, _, _, X, y = _problem()
     strategy = model.variational_strategy
     with torch.no_grad():
-        strategy.mean_coefficients.copy_(_randn(10, gen=_gen(2)))
+        strategy.mean_coefficients.copy_(randn(10, gen=generator(2)))
     before = strategy.mean_coefficients.detach().clone()
     mean_step = OrthogonalMeanNaturalGradient(strategy, num_data=60, lr=0.01)
     # No gradient yet: nothing to do.
     mean_step.step()
     assert torch.equal(strategy.mean_coefficients.detach(), before)
-    (-_full_batch_elbo(model, likelihood, X, y) / 60).backward()
+    (-full_batch_elbo(model, likelihood, X, y) / 60).backward()
     for bad in (float("nan"), float("inf")):
         strategy.mean_coefficients.grad[3] = bad
         with pytest.raises(RuntimeError, match="not finite"):
