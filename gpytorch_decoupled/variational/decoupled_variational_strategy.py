@@ -136,16 +136,18 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, _Variationa
         return self.model.forward(points).lazy_covariance_matrix.diagonal(dim1=-2, dim2=-1)
 
     @property
+    @cached(name="mean_coefficients_memo")
     def mean_coefficients(self) -> Tensor:
-        r""":math:`\mathbf a`, ``(..., M_alpha)``."""
+        r""":math:`\mathbf a`, ``(..., M_alpha)`` (computed once per training step)."""
         coefficients = self.variational_distribution.mean_coefficients
         if self.jacobi_preconditioning:
             coefficients = coefficients / self._prior_variances(self.mean_inducing_points)
         return coefficients
 
     @property
+    @cached(name="precision_factor_memo")
     def precision_factor(self) -> Tensor:
-        r""":math:`\mathbf L_B`, ``(..., M_beta, M_beta)`` lower triangular."""
+        r""":math:`\mathbf L_B`, ``(..., M_beta, M_beta)`` lower triangular (computed once per training step)."""
         factor = self.variational_distribution.precision_factor
         if self.jacobi_preconditioning:
             factor = factor / self._prior_variances(self.inducing_points).unsqueeze(-1)
@@ -241,10 +243,9 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, _Variationa
             return self.model.forward(x, **kwargs)
         if self.training:
             self._clear_cache()
-        # The distribution starts near the prior on construction; only record the first call, as GPyTorch's strategies
-        # do, without resetting values set before it.
-        if not self.variational_params_initialized.item():
-            self.variational_params_initialized.fill_(1)
+        # The distribution starts near the prior on construction: record the first call as GPyTorch's strategies do,
+        # without resetting values set before it (and without reading the flag back from the device).
+        self.variational_params_initialized.fill_(1)
         inducing_points = self.inducing_points
         if inducing_points.shape[:-2] != x.shape[:-2]:
             x, inducing_points = self._expand_inputs(x, inducing_points)
