@@ -38,7 +38,7 @@ from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, load_split
 from .method_result import MethodResult
 from .methods import build_method
 from .report import benchmark_payload, format_ratios, write_results
-from .runner import train_and_evaluate
+from .runner import split_tensors, train_and_evaluate
 
 NAME = "decoupled-accuracy"
 REFERENCE = "svgp"
@@ -134,8 +134,7 @@ def value_at_time(curve: list[dict], seconds: float, key: str) -> float:
 
 
 def _fit_output(args, config, split, column, device) -> tuple[dict, list[MethodResult]]:
-    train = (split.train_x.to(device, config.dtype), split.train_y.to(device, config.dtype))
-    test = (split.test_x.to(device, config.dtype), split.test_y.to(device, config.dtype))
+    train, test = split_tensors(split, config)
     y_std = split.y_std.to(device, config.dtype)
     test_variance = test[1].var(unbiased=False).item()
     tag = split.name if column is None else f"{split.name}/y{column}"

@@ -20,16 +20,12 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from .benchmark import Benchmark
 from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, load_split, run_config, split_config
 from .method_result import MethodResult
-from .methods import build_method
-from .orthogonal_speed_benchmark import _size_label, enlarge_mean_basis, mean_basis_with_replacement
+from .orthogonal_speed_benchmark import _size_label, scale_run
 from .report import benchmark_payload, format_ratios, format_table, write_results
-from .run_config import RunConfig
-from .runner import compare, train_and_evaluate
+from .runner import compare, split_tensors
 
 NAME = "decoupled-speed"
 REFERENCE = "svgp"
@@ -86,34 +82,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="standard deviation (standardized input units) of the jitter on mean-basis points drawn with replacement",
     )
     parser.add_argument("--output-dir", default=DEFAULT_RESULTS_DIR)
-
-
-def _scale_run(name: str, train, test, y_std, args: argparse.Namespace, config: RunConfig, size: int) -> MethodResult:
-    train_x = train[0]
-    m = args.num_inducing
-    method = build_method(
-        name,
-        *train,
-        num_inducing=m,
-        num_mean_inducing=min(size, train_x.size(0)),
-        num_kl_columns=args.num_kl_columns,
-        seed=config.seed,
-    )
-    symbol = "Mα" if name == "decoupled" else "Mγ"
-    if size > train_x.size(0):
-        strategy = method.model.variational_strategy
-        if name == "decoupled":
-            extra = mean_basis_with_replacement(train_x, size - m, args.mean_jitter, config.seed + 1)
-            points = torch.cat([extra, strategy.inducing_points.detach()])
-        else:
-            points = mean_basis_with_replacement(train_x, size, args.mean_jitter, config.seed + 1)
-        enlarge_mean_basis(method, points, config.seed)
-        method.sizes = f"{symbol}={size}, Mβ={m}"
-    # The final full-data ELBO needs the exact KL, O(M²) kernel entries (10^10 at 10^5): a timing run skips it.
-    method.objective = lambda: float("nan")
-    # Predictions outside the timed region evaluate k(x, α) per batch; smaller batches keep that transient small.
-    method.batch_size = 256
-    return train_and_evaluate(method, train, test, y_std, config, name=f"{name}@{symbol}={size}")
 
 
 def _scale_ratios(results: list[MethodResult], prefix: str) -> dict[str, float]:
@@ -175,15 +143,13 @@ def _run(args: argparse.Namespace) -> dict:
     by_name = {result.name: result for result in results}
     reference = by_name[REFERENCE]
 
-    device = torch.device(config.device)
-    train = (split.train_x.to(device, config.dtype), split.train_y.to(device, config.dtype))
-    test = (split.test_x.to(device, config.dtype), split.test_y.to(device, config.dtype))
+    train, test = split_tensors(split, config)
     scale_config = replace(config, iterations=args.scale_iterations, eval_every=10**9)
     sizes = sorted(args.mean_sizes)
     # Decoupled first: its goals are the benchmark's.
     scale_methods = sorted(args.scale_methods, key=SCALE_METHODS.index)
     scale = {
-        name: [_scale_run(name, train, test, split.y_std, args, scale_config, size) for size in sizes]
+        name: [scale_run(name, train, test, split.y_std, args, scale_config, size) for size in sizes]
         for name in scale_methods
     }
 

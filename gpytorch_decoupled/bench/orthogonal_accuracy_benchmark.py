@@ -50,7 +50,7 @@ from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, load_split
 from .method_result import MethodResult
 from .methods import Method, build_method
 from .report import benchmark_payload, format_ratios, plot_curves, write_results
-from .runner import train_and_evaluate
+from .runner import split_tensors, train_and_evaluate
 
 NAME = "orthogonal-accuracy"
 
@@ -322,8 +322,7 @@ def _accuracy(args: argparse.Namespace) -> tuple[dict, list[MethodResult]]:
     table, results = {}, []
     for dataset in args.datasets:
         split = load_split(args, dataset)
-        train = (split.train_x.to(device, config.dtype), split.train_y.to(device, config.dtype))
-        test_x, test_y = split.test_x.to(device, config.dtype), split.test_y.to(device, config.dtype)
+        train, (test_x, test_y) = split_tensors(split, config)
         y_std = split.y_std.to(device, config.dtype)
         rows = {}
         for name, options in methods:

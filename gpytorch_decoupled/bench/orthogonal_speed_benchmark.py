@@ -30,7 +30,7 @@ from .method_result import MethodResult
 from .methods import Method, build_method
 from .report import benchmark_payload, format_ratios, format_table, write_results
 from .run_config import RunConfig
-from .runner import compare, train_and_evaluate
+from .runner import compare, split_tensors, train_and_evaluate
 
 NAME = "orthogonal-speed"
 REFERENCE = "svgp"
@@ -113,25 +113,35 @@ def enlarge_mean_basis(method: Method, points: torch.Tensor, seed: int, init_std
     strategy._clear_cache()
 
 
-def _scale_run(train, test, y_std, args: argparse.Namespace, config: RunConfig, size: int) -> MethodResult:
-    train_x = train[0]
+def scale_run(name: str, train, test, y_std, args: argparse.Namespace, config: RunConfig, size: int) -> MethodResult:
+    """
+    One timing run of the mean-basis method ``name`` (``orthnat``, ``hybrid`` or ``decoupled``) with a mean basis of
+    ``size`` points (for Decoupled, α = γ ∪ β: ``size`` includes the covariance points), enlarged beyond the training
+    rows by :func:`mean_basis_with_replacement` where needed.
+    """
+    train_x, m = train[0], args.num_inducing
     method = build_method(
-        "orthnat",
+        name,
         *train,
-        num_inducing=args.num_inducing,
+        num_inducing=m,
         num_mean_inducing=min(size, train_x.size(0)),
         num_kl_columns=args.num_kl_columns,
         seed=config.seed,
     )
+    symbol = "Mα" if name == "decoupled" else "Mγ"
     if size > train_x.size(0):
-        points = mean_basis_with_replacement(train_x, size, args.mean_jitter, config.seed + 1)
+        if name == "decoupled":
+            extra = mean_basis_with_replacement(train_x, size - m, args.mean_jitter, config.seed + 1)
+            points = torch.cat([extra, method.model.variational_strategy.inducing_points.detach()])
+        else:
+            points = mean_basis_with_replacement(train_x, size, args.mean_jitter, config.seed + 1)
         enlarge_mean_basis(method, points, config.seed)
-        method.sizes = f"Mγ={size}, Mβ={args.num_inducing}"
-    # The final full-data ELBO needs the exact KL, O(Mγ²) kernel entries (10^10 at Mγ=10^5): a timing run skips it.
+        method.sizes = f"{symbol}={size}, Mβ={m}"
+    # The final full-data ELBO needs the exact KL, O(M²) kernel entries (10^10 at 10^5): a timing run skips it.
     method.objective = lambda: float("nan")
-    # Predictions outside the timed region evaluate k(x, γ) per batch; smaller batches keep that transient small.
+    # Predictions outside the timed region evaluate k(x, mean basis) per batch; smaller batches keep that small.
     method.batch_size = 256
-    return train_and_evaluate(method, train, test, y_std, config, name=f"orthnat@Mγ={size}")
+    return train_and_evaluate(method, train, test, y_std, config, name=f"{name}@{symbol}={size}")
 
 
 def _size_label(size: int) -> str:
@@ -152,12 +162,10 @@ def _run(args: argparse.Namespace) -> dict:
     by_name = {result.name: result for result in results}
     reference = by_name[REFERENCE]
 
-    device = torch.device(config.device)
-    train = (split.train_x.to(device, config.dtype), split.train_y.to(device, config.dtype))
-    test = (split.test_x.to(device, config.dtype), split.test_y.to(device, config.dtype))
+    train, test = split_tensors(split, config)
     scale_config = replace(config, iterations=args.scale_iterations, eval_every=10**9)
     sizes = sorted(args.mean_sizes)
-    scale_results = [_scale_run(train, test, split.y_std, args, scale_config, size) for size in sizes]
+    scale_results = [scale_run("orthnat", train, test, split.y_std, args, scale_config, size) for size in sizes]
 
     print(f"\n{NAME} on {split.name} (split {split.split}, {split.train_x.size(0)} training rows)\n")
     print("speed: same mini-batches, median seconds per iteration after warm-up\n")

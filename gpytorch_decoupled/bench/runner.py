@@ -97,6 +97,14 @@ def train_and_evaluate(
     return result
 
 
+def split_tensors(split, config: RunConfig) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """``(train_x, train_y), (test_x, test_y)`` of a split on the run's device and in its dtype."""
+    device = torch.device(config.device)
+    train = (split.train_x.to(device, config.dtype), split.train_y.to(device, config.dtype))
+    test = (split.test_x.to(device, config.dtype), split.test_y.to(device, config.dtype))
+    return train, test
+
+
 def compare(methods: Sequence[tuple[str, dict]], split, config: RunConfig) -> list[MethodResult]:
     r"""Train and measure several methods in this process, on the same data, seed and mini-batch order.
 
@@ -107,9 +115,7 @@ def compare(methods: Sequence[tuple[str, dict]], split, config: RunConfig) -> li
     :return: One :class:`MethodResult` per method, in order; a method that refuses the data (e.g. the exact GP on too
         many rows) is returned with ``skipped`` set to its reason.
     """
-    device = torch.device(config.device)
-    train = (split.train_x.to(device, config.dtype), split.train_y.to(device, config.dtype))
-    test = (split.test_x.to(device, config.dtype), split.test_y.to(device, config.dtype))
+    train, test = split_tensors(split, config)
     results = []
     for name, options in methods:
         registry_name = name.split("@")[0]
