@@ -5,6 +5,7 @@ from gpytorch.utils.memoize import _add_to_cache_ignore_args, _get_from_cache_ig
 from torch import Tensor
 
 from ..linalg import column_sampled_quadratic_form
+from ._input_checks import checked_inputs
 from ._replace_tensor import replace_tensor
 
 
@@ -130,15 +131,4 @@ class _MeanBasisMixin:
     # ------------------------------------------------------------------ inputs
     def _checked_inputs(self, x: Tensor) -> Tensor:
         """Validates ``x`` before anything is computed and pads data rows to the width of the inducing points."""
-        width = self.inducing_points.size(-1)
-        extra = width - x.size(-1)
-        if extra and extra not in {getattr(module, "basis_parameter_dims", None) for module in self.model.modules()}:
-            raise ValueError(f"inputs have {x.size(-1)} dimensions but the inducing points have {width}.")
-        if x.dtype != self.inducing_points.dtype or x.device != self.inducing_points.device:
-            raise ValueError(
-                f"inputs are {x.dtype} on {x.device} but the model is {self.inducing_points.dtype} on "
-                f"{self.inducing_points.device}; convert one of them (e.g. model.double() or x.to(...))."
-            )
-        if not torch.isfinite(x).all():
-            raise ValueError("inputs contain NaN or inf.")
-        return torch.nn.functional.pad(x, (0, extra)) if extra else x
+        return checked_inputs(x, self.inducing_points, self.model)
