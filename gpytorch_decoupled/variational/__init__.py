@@ -3,6 +3,8 @@
 from .convert_mean_basis import convert_mean_basis
 from .decoupled_variational_distribution import DecoupledVariationalDistribution, DecoupledVariationalParameters
 from .decoupled_variational_strategy import DecoupledVariationalStrategy
+from .dual_variational_distribution import DualSites, DualVariationalDistribution
+from .dual_variational_strategy import DualPosteriorFactors, DualSiteStatistics, DualVariationalStrategy
 from .hybrid_variational_strategy import HybridVariationalStrategy
 from .independent_multitask_variational_strategy import IndependentMultitaskVariationalStrategy
 from .lmc_variational_strategy import LMCVariationalStrategy
@@ -12,6 +14,11 @@ __all__ = [
     "DecoupledVariationalDistribution",
     "DecoupledVariationalParameters",
     "DecoupledVariationalStrategy",
+    "DualPosteriorFactors",
+    "DualSiteStatistics",
+    "DualSites",
+    "DualVariationalDistribution",
+    "DualVariationalStrategy",
     "HybridVariationalStrategy",
     "IndependentMultitaskVariationalStrategy",
     "LMCVariationalStrategy",

@@ -1,0 +1,290 @@
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.models import ApproximateGP
+from gpytorch.module import Module
+from gpytorch.utils.memoize import cached
+from gpytorch.variational._variational_strategy import _VariationalStrategy
+from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator, RootLinearOperator
+from torch import Tensor
+
+from ..linalg import cholesky_logdet, jittered_cholesky, solve_lower, solve_lower_transpose
+from ._cache_safe_mixin import _CacheSafeMixin
+from ._input_checks import checked_inputs
+from .dual_variational_distribution import DualVariationalDistribution
+
+
+class DualPosteriorFactors(NamedTuple):
+    r"""
+    :math:`q(\mathbf u)` in whitened coordinates :math:`\mathbf v = \mathbf L_K^{-1}\mathbf u`:
+    :math:`q(\mathbf v) = \mathcal N(\mathbf H^{-1}\mathbf h, \mathbf H^{-1})`.
+    """
+
+    prior_cholesky: Tensor  # L_K, K_uu = L_K L_K^T
+    inner_cholesky: Tensor  # L_H, H = I + L_K^T L_2 L_K = L_H L_H^T
+    whitened_site_mean: Tensor  # h = L_K^T ell_1
+    whitened_mean: Tensor  # H^{-1} h
+
+
+class DualSiteStatistics(NamedTuple):
+    r"""What the E-step needs at a mini-batch, computed without an autograd graph."""
+
+    prior_mean: Tensor  # m_0(x), (..., B)
+    centred_mean: Tensor  # mu_i - m_0(x_i), (..., B)
+    variance: Tensor  # v_i, (..., B)
+    projections: Tensor  # a_i = K_uu^{-1} k_ui as columns, (..., M, B)
+
+
+class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
+    r"""
+    The dual parameterization of SVGP, t-SVGP (`Adam et al. (2021)`_): :math:`q(\mathbf u)` is the prior
+    :math:`\mathcal N(\mathbf 0, \mathbf K_{\mathbf{uu}})` times the Gaussian sites of a
+    :class:`~gpytorch_decoupled.variational.DualVariationalDistribution`, unwhitened. With the summaries
+    :math:`\bar{\boldsymbol\lambda}_1 = \mathbf K_{\mathbf{uu}}\boldsymbol\ell_1`,
+    :math:`\bar{\boldsymbol\Lambda}_2 = \mathbf K_{\mathbf{uu}}\mathbf L_2\mathbf K_{\mathbf{uu}}` and
+    :math:`\mathbf R = \mathbf K_{\mathbf{uu}} + \bar{\boldsymbol\Lambda}_2`, the predictive (spec A.1, eq. 49) is
+
+    .. math::
+
+        \mathbb E[f(\mathbf x)] = \mu_0(\mathbf x) + \mathbf k_{\mathbf x\mathbf u}\mathbf R^{-1}
+            \bar{\boldsymbol\lambda}_1, \qquad
+        \operatorname{Cov}[f(\mathbf x), f(\mathbf x')] = k(\mathbf x, \mathbf x')
+            - \mathbf k_{\mathbf x\mathbf u}\mathbf K_{\mathbf{uu}}^{-1}\mathbf k_{\mathbf u\mathbf x'}
+            + \mathbf k_{\mathbf x\mathbf u}\mathbf R^{-1}\mathbf k_{\mathbf u\mathbf x'},
+
+    and the KL (eq. 51)
+
+    .. math::
+
+        \mathrm{KL}[q \Vert p] = \tfrac12\big[\operatorname{tr}(\mathbf R^{-1}\mathbf K_{\mathbf{uu}}) - M
+            + \bar{\boldsymbol\lambda}_1^\top\mathbf R^{-1}\mathbf K_{\mathbf{uu}}\mathbf R^{-1}
+            \bar{\boldsymbol\lambda}_1 + \log\lvert\mathbf R\rvert - \log\lvert\mathbf K_{\mathbf{uu}}\rvert\big].
+
+    Both are evaluated through :math:`\mathbf R = \mathbf L_K\mathbf H\mathbf L_K^\top` with
+    :math:`\mathbf H = \mathbf I + \mathbf L_K^\top\mathbf L_2\mathbf L_K \succeq \mathbf I`, so the only
+    factorizations are of :math:`\mathbf K_{\mathbf{uu}}` and of the well-conditioned :math:`\mathbf H`
+    (:math:`O(M^3)`, float64 with escalating jitter).
+
+    Training alternates two steps (spec A.3): the E-step :class:`~gpytorch_decoupled.optim.DualEStep` sets the sites in
+    closed form (a natural-gradient step on :math:`q`, with no autograd graph), and the M-step maximizes
+    :class:`~gpytorch_decoupled.mlls.DualVariationalELBO` over the hyperparameters and inducing inputs with any torch
+    optimizer, the sites held fixed. Because :math:`q_\theta` is re-derived from the sites at every :math:`\theta`, the
+    M-step objective is the "tighter bound" :math:`\tilde{\mathcal L}(\theta)` of spec A.2.2; its value and gradient
+    equal those of the ELBO with :math:`q` held fixed at a converged E-step.
+
+    :param model: Model this strategy is applied to (typically the :class:`~gpytorch.models.ApproximateGP` itself).
+    :param inducing_points: Inducing inputs :math:`\mathbf Z`, ``(..., M, D)``.
+    :param variational_distribution: A :class:`~gpytorch_decoupled.variational.DualVariationalDistribution`.
+    :param learn_inducing_locations: Learn :math:`\mathbf Z` in the M-step (default True).
+    :param jitter_val: Jitter added to :math:`\mathbf K_{\mathbf{uu}}` (default: GPyTorch's
+        ``variational_cholesky_jitter`` for the dtype).
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpytorch_decoupled.mlls import DualVariationalELBO
+        >>> from gpytorch_decoupled.optim import DualEStep
+        >>> from gpytorch_decoupled.variational import DualVariationalDistribution, DualVariationalStrategy
+        >>> class DualGP(gpytorch.models.ApproximateGP):
+        ...     def __init__(self, inducing_points):
+        ...         q = DualVariationalDistribution(inducing_points.size(0))
+        ...         super().__init__(DualVariationalStrategy(self, inducing_points, q))
+        ...         self.mean_module = gpytorch.means.ZeroMean()
+        ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        ...     def forward(self, x):
+        ...         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+        >>> x = torch.linspace(-3, 3, 300).unsqueeze(-1)
+        >>> y = torch.sin(2 * x.squeeze(-1)) + 0.1 * torch.randn(300)
+        >>> model, likelihood = DualGP(x[::20].clone()), gpytorch.likelihoods.GaussianLikelihood()
+        >>> e_step = DualEStep(model, likelihood, num_data=300, lr=1.0)
+        >>> objective = DualVariationalELBO(likelihood, model, num_data=300)
+        >>> m_step = torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=0.05)
+        >>> for _ in range(10):  # EM: a closed-form E-step, then a few M-steps
+        ...     e_step.step(x, y)
+        ...     for _ in range(5):
+        ...         m_step.zero_grad()
+        ...         loss = -objective(model(x), y)
+        ...         loss.backward()
+        ...         m_step.step()
+        >>> _ = model.eval()
+        >>> bool((model(x).mean - torch.sin(2 * x.squeeze(-1))).abs().mean() < 0.1)
+        True
+
+    .. _Adam et al. (2021):
+        https://arxiv.org/abs/2111.03412
+    """
+
+    def __init__(
+        self,
+        model: ApproximateGP,
+        inducing_points: Tensor,
+        variational_distribution: DualVariationalDistribution,
+        learn_inducing_locations: bool = True,
+        jitter_val: float | None = None,
+    ):
+        if not isinstance(variational_distribution, DualVariationalDistribution):
+            raise TypeError(
+                "DualVariationalStrategy needs a DualVariationalDistribution, got "
+                f"{type(variational_distribution).__name__}."
+            )
+        if variational_distribution.num_inducing_points != inducing_points.size(-2):
+            raise ValueError(
+                f"the variational distribution is for M={variational_distribution.num_inducing_points} inducing "
+                f"points, but {inducing_points.size(-2)} were given."
+            )
+        super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
+
+    # ------------------------------------------------------------------ q(u)
+    @property
+    @cached(name="prior_distribution_memo")
+    def prior_distribution(self) -> MultivariateNormal:
+        r"""The prior :math:`p(\mathbf u) = \mathcal N(\mathbf 0, \mathbf K_{\mathbf{uu}})` of the centred inducing
+        values (the model's mean function is added to predictions, spec A.7-9)."""
+        prior = self.model.forward(self.inducing_points)
+        return MultivariateNormal(
+            torch.zeros_like(prior.mean), prior.lazy_covariance_matrix.add_jitter(self.jitter_val)
+        )
+
+    @cached(name="dual_posterior_factors_memo")
+    def posterior_factors(self) -> DualPosteriorFactors:
+        r"""
+        :math:`q(\mathbf u)` from the sites at the current hyperparameters, in whitened coordinates
+        (:class:`DualPosteriorFactors`); computed once per training step and cached in eval mode.
+        """
+        prior_chol = jittered_cholesky(
+            self.prior_distribution.lazy_covariance_matrix.to_dense(), name="DualVariationalStrategy K_uu"
+        )
+        site_mean, site_precision = self._variational_distribution()
+        if self._variational_distribution.per_datum:
+            # Variant C: ell_1 = K_uu^-1 K_uf lambda_1 and L_2 = K_uu^-1 K_uf diag(lambda_2) K_fu K_uu^-1, so in
+            # whitened coordinates h = W_f lambda_1 and P = W_f diag(lambda_2) W_f^T with W_f = L_K^-1 K_uf.
+            datum_inputs = checked_inputs(self._variational_distribution.datum_inputs, self.inducing_points, self.model)
+            _, whitened_cross, _ = self._whitened_cross_covariance(datum_inputs, prior_chol)
+            whitened_site_mean = (whitened_cross @ site_mean.unsqueeze(-1)).squeeze(-1)
+            whitened_precision = (whitened_cross * site_precision.unsqueeze(-2)) @ whitened_cross.mT
+        else:
+            whitened_site_mean = (prior_chol.mT @ site_mean.unsqueeze(-1)).squeeze(-1)
+            whitened_precision = prior_chol.mT @ site_precision @ prior_chol
+        inner = whitened_precision + torch.eye(
+            whitened_precision.size(-1), dtype=whitened_precision.dtype, device=whitened_precision.device
+        )
+        inner_chol = jittered_cholesky(inner, name="DualVariationalStrategy H")
+        whitened_mean = solve_lower_transpose(inner_chol, solve_lower(inner_chol, whitened_site_mean.unsqueeze(-1)))
+        return DualPosteriorFactors(prior_chol, inner_chol, whitened_site_mean, whitened_mean.squeeze(-1))
+
+    @property
+    @cached(name="variational_distribution_memo")
+    def variational_distribution(self) -> MultivariateNormal:
+        r""":math:`q(\mathbf u) = \mathcal N(\mathbf m, \mathbf S)` of the centred inducing values, with
+        :math:`\mathbf m = \mathbf K_{\mathbf{uu}}\mathbf R^{-1}\bar{\boldsymbol\lambda}_1` and
+        :math:`\mathbf S = \mathbf K_{\mathbf{uu}}\mathbf R^{-1}\mathbf K_{\mathbf{uu}}` (eqs. 47-48)."""
+        prior_chol, inner_chol, _, whitened_mean = self.posterior_factors()
+        mean = (prior_chol @ whitened_mean.unsqueeze(-1)).squeeze(-1)
+        root = solve_lower(inner_chol, prior_chol.mT).mT  # L_K H^{-T/2}
+        return MultivariateNormal(mean, RootLinearOperator(root))
+
+    def site_log_normalizer(self) -> Tensor:
+        r"""
+        :math:`\log\mathcal Z(\theta) = \log\int p_\theta(\mathbf u)\,t(\mathbf u)\,d\mathbf u` for the unnormalized
+        sites :math:`t(\mathbf u) = \exp(\boldsymbol\ell_1^\top\mathbf u - \tfrac12\mathbf u^\top\mathbf L_2\mathbf
+        u)` (spec A.2.2):
+
+        .. math::
+
+            \log\mathcal Z = -\tfrac12\big(\log\lvert\mathbf R\rvert - \log\lvert\mathbf K_{\mathbf{uu}}\rvert\big)
+            + \tfrac12\bar{\boldsymbol\lambda}_1^\top\mathbf R^{-1}\bar{\boldsymbol\lambda}_1
+            = -\tfrac12\log\lvert\mathbf H\rvert + \tfrac12\mathbf h^\top\mathbf H^{-1}\mathbf h.
+        """
+        _, inner_chol, whitened_site_mean, whitened_mean = self.posterior_factors()
+        return 0.5 * ((whitened_site_mean * whitened_mean).sum(-1) - cholesky_logdet(inner_chol))
+
+    def kl_divergence(self) -> Tensor:
+        _, inner_chol, _, whitened_mean = self.posterior_factors()
+        eye = torch.eye(inner_chol.size(-1), dtype=inner_chol.dtype, device=inner_chol.device)
+        trace_inverse = solve_lower(inner_chol, eye).pow(2).sum((-2, -1))
+        return 0.5 * (trace_inverse + whitened_mean.pow(2).sum(-1) - inner_chol.size(-1) + cholesky_logdet(inner_chol))
+
+    # ------------------------------------------------------------------ q(f)
+    def _whitened_cross_covariance(self, x: Tensor, prior_chol: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        r"""The prior mean at :math:`\mathbf x`, :math:`\mathbf W = \mathbf L_K^{-1}\mathbf K_{\mathbf u\mathbf x}` and
+        the lazy prior covariance at :math:`\mathbf x`, from one kernel evaluation."""
+        inducing_points = self.inducing_points
+        if inducing_points.shape[:-2] != x.shape[:-2]:
+            x, inducing_points = self._expand_inputs(x, inducing_points)
+        num_inducing = inducing_points.size(-2)
+        joint = self.model.forward(torch.cat([inducing_points, x], dim=-2))
+        covariance = joint.lazy_covariance_matrix
+        cross = covariance[..., :num_inducing, num_inducing:].to_dense()
+        return (
+            joint.mean[..., num_inducing:],
+            solve_lower(prior_chol, cross),
+            covariance[..., num_inducing:, num_inducing:],
+        )
+
+    def forward(
+        self,
+        x: Tensor,
+        inducing_points: Tensor,
+        inducing_values: Tensor | None = None,
+        variational_inducing_covar=None,
+        diag: bool = True,
+        **kwargs,
+    ) -> MultivariateNormal:
+        prior_chol, inner_chol, _, whitened_mean = self.posterior_factors()
+        prior_mean, whitened_cross, data_covariance = self._whitened_cross_covariance(x, prior_chol)
+        reduced_cross = solve_lower(inner_chol, whitened_cross)  # H^{-1/2} W
+        mean = prior_mean + (whitened_cross * whitened_mean.unsqueeze(-1)).sum(-2)
+        if diag and self.training:
+            variance = (
+                data_covariance.diagonal(dim1=-2, dim2=-1)
+                - whitened_cross.pow(2).sum(-2)
+                + reduced_cross.pow(2).sum(-2)
+            )
+            return MultivariateNormal(mean, DiagLinearOperator(variance))
+        covariance = (
+            data_covariance
+            + MatmulLinearOperator(whitened_cross.mT.neg(), whitened_cross)
+            + MatmulLinearOperator(reduced_cross.mT, reduced_cross)
+        )
+        return MultivariateNormal(mean, covariance)
+
+    @torch.no_grad()
+    def site_statistics(self, x: Tensor) -> DualSiteStatistics:
+        r"""
+        The marginals :math:`q(f_i) = \mathcal N(\mu_i, v_i)` at a mini-batch and the projections
+        :math:`\mathbf a_i = \mathbf K_{\mathbf{uu}}^{-1}\mathbf k_{\mathbf u i}`, without an autograd graph: what the
+        E-step (:class:`~gpytorch_decoupled.optim.DualEStep`) needs. :math:`O(BM^2 + M^3)`.
+
+        :param x: Mini-batch inputs, ``(B, D)``.
+        """
+        x = checked_inputs(x, self.inducing_points, self.model)
+        # Hyperparameters may have moved since the cached factors were computed (an M-step in between).
+        self._clear_cache()
+        prior_chol, inner_chol, _, whitened_mean = self.posterior_factors()
+        prior_mean, whitened_cross, data_covariance = self._whitened_cross_covariance(x, prior_chol)
+        reduced_cross = solve_lower(inner_chol, whitened_cross)
+        centred_mean = (whitened_cross * whitened_mean.unsqueeze(-1)).sum(-2)
+        variance = (
+            data_covariance.diagonal(dim1=-2, dim2=-1) - whitened_cross.pow(2).sum(-2) + reduced_cross.pow(2).sum(-2)
+        )
+        projections = solve_lower_transpose(prior_chol, whitened_cross)
+        batch_shape = torch.broadcast_shapes(centred_mean.shape[:-1], self._variational_distribution.batch_shape)
+        return DualSiteStatistics(
+            prior_mean.expand(*batch_shape, -1),
+            centred_mean.expand(*batch_shape, -1),
+            variance.expand(*batch_shape, -1),
+            projections,
+        )
+
+    def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
+        x = checked_inputs(x, self.inducing_points, self.model)
+        if prior:
+            return self.model.forward(x, **kwargs)
+        if self.training:
+            self._clear_cache()
+        # The sites start at the prior on construction; record the first call as GPyTorch's strategies do, without
+        # resetting sites that were set (or loaded) before it.
+        self.variational_params_initialized.fill_(1)
+        return Module.__call__(self, x, self.inducing_points, diag=diag, **kwargs)
