@@ -9,7 +9,7 @@ from gpytorch.variational import IndependentMultitaskVariationalStrategy
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from ..variational import DualVariationalStrategy
+from ..variational import DualSiteStatistics, DualVariationalStrategy
 
 
 class DualEStep(torch.optim.Optimizer):
@@ -118,8 +118,8 @@ class DualEStep(torch.optim.Optimizer):
         self.num_likelihood_samples = num_likelihood_samples
         super().__init__(list(strategy._variational_distribution()), {"lr": lr})
 
-    def _targets(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        r"""The natural-gradient targets :math:`g_1, g_2` per latent, ``(..., B)``, and the projections."""
+    def _targets(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, DualSiteStatistics]:
+        r"""The natural-gradient targets :math:`g_1, g_2` per latent, ``(..., B)``, and the batch's statistics."""
         statistics = self.strategy.site_statistics(x)
         mean = (statistics.prior_mean + statistics.centred_mean).requires_grad_(True)
         variance = statistics.variance.clone().requires_grad_(True)
@@ -136,7 +136,13 @@ class DualEStep(torch.optim.Optimizer):
                 )
             mean_gradient, variance_gradient = torch.autograd.grad(expected_log_prob.sum(), [mean, variance])
         curvature = (-2.0 * variance_gradient).clamp_min(self.min_curvature)
-        return curvature * statistics.centred_mean + mean_gradient, curvature, statistics.projections
+        first_target = curvature * statistics.centred_mean + mean_gradient
+        if not (torch.isfinite(first_target).all() and torch.isfinite(curvature).all()):
+            raise RuntimeError(
+                "the likelihood's expected_log_prob has non-finite derivatives at these targets; the sites were not "
+                "changed."
+            )
+        return first_target, curvature, statistics
 
     @torch.no_grad()
     def step(self, x: Tensor, y: Tensor, indices: Tensor | None = None) -> None:
@@ -158,7 +164,7 @@ class DualEStep(torch.optim.Optimizer):
                 raise ValueError("per-datum sites need the batch's indices into datum_inputs, one per row of x.")
             if not torch.equal(distribution.datum_inputs[indices], x):
                 raise ValueError("x is not datum_inputs[indices]; the sites were not changed.")
-        first_target, second_target, projections = self._targets(x, y)
+        first_target, second_target, statistics = self._targets(x, y)
         lr = self.param_groups[0]["lr"]
         site_mean, site_precision = distribution()
         if distribution.per_datum:
@@ -168,32 +174,31 @@ class DualEStep(torch.optim.Optimizer):
             )
         else:
             scale = lr * self.num_data / x.size(0)
+            projections = statistics.projections
             new_mean = (1 - lr) * site_mean + scale * (projections @ first_target.unsqueeze(-1)).squeeze(-1)
-            weighted = (projections * second_target.unsqueeze(-2)) @ projections.mT
-            new_precision = (1 - lr) * site_precision + scale * 0.5 * (weighted + weighted.mT)
-        self._check(new_mean, new_precision)
+            new_precision = (1 - lr) * site_precision + scale * _weighted_gram(projections, second_target)
+            self._check_positive_definite(lr, scale, statistics.whitened_cross, second_target)
         site_mean.copy_(new_mean)
         site_precision.copy_(new_precision)
         self.strategy._clear_cache()
 
-    def _check(self, site_mean: Tensor, site_precision: Tensor) -> None:
-        if not (torch.isfinite(site_mean).all() and torch.isfinite(site_precision).all()):
-            raise RuntimeError(
-                "the E-step produced non-finite sites (check the likelihood's expected_log_prob at these targets); "
-                "the sites were not changed."
-            )
-        if self.strategy._variational_distribution.per_datum:
-            if (site_precision < 0).any():
-                raise RuntimeError(
-                    "the E-step produced negative per-datum site precisions; the sites were not changed."
-                )
-            return
-        # q exists only while H = I + L_K^T L_2 L_K is positive definite (L_2 is PSD up to rounding by construction).
-        prior_chol = self.strategy.posterior_factors().prior_cholesky.double()
-        inner = prior_chol.mT @ site_precision.double() @ prior_chol
+    def _check_positive_definite(self, lr: float, scale: float, whitened_cross: Tensor, second_target: Tensor) -> None:
+        r"""
+        :math:`q` exists only while :math:`\mathbf H = \mathbf I + \mathbf L_K^\top\mathbf L_2\mathbf L_K \succ 0`.
+        At the step's hyperparameters its update is :math:`(1 - r)\mathbf P + r s\mathbf W\mathbf G\mathbf W^\top`
+        in whitened coordinates, so checking costs :math:`O(BM^2)` plus one float64 factorization.
+        """
+        previous = self.strategy.posterior_factors().whitened_site_precision
+        inner = (1 - lr) * previous.double() + scale * _weighted_gram(whitened_cross.double(), second_target.double())
         inner.diagonal(dim1=-2, dim2=-1).add_(1.0)
         if torch.linalg.cholesky_ex(inner).info.any():
             raise RuntimeError(
-                "the E-step produced site precisions with which q(u) is not positive definite; the sites "
-                "were not changed."
+                "the E-step produced site precisions with which q(u) is not positive definite; the sites were not "
+                "changed."
             )
+
+
+def _weighted_gram(columns: Tensor, weights: Tensor) -> Tensor:
+    r""":math:`\mathbf C\operatorname{diag}(\mathbf w)\mathbf C^\top`, exactly symmetric."""
+    gram = (columns * weights.unsqueeze(-2)) @ columns.mT
+    return 0.5 * (gram + gram.mT)

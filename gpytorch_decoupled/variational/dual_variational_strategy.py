@@ -11,7 +11,7 @@ from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator, RootLinearOperator
 from torch import Tensor
 
-from ..linalg import cholesky_logdet, jittered_cholesky, solve_lower, solve_lower_transpose
+from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower, solve_lower_transpose
 from ._cache_safe_mixin import _CacheSafeMixin
 from ._input_checks import checked_inputs
 from .dual_variational_distribution import DualVariationalDistribution
@@ -24,7 +24,8 @@ class DualPosteriorFactors(NamedTuple):
     """
 
     prior_cholesky: Tensor  # L_K, K_uu = L_K L_K^T
-    inner_cholesky: Tensor  # L_H, H = I + L_K^T L_2 L_K = L_H L_H^T
+    whitened_site_precision: Tensor  # P = L_K^T L_2 L_K
+    inner_cholesky: Tensor  # L_H, H = I + P = L_H L_H^T
     whitened_site_mean: Tensor  # h = L_K^T ell_1
     whitened_mean: Tensor  # H^{-1} h
 
@@ -35,7 +36,8 @@ class DualSiteStatistics(NamedTuple):
     prior_mean: Tensor  # m_0(x), (..., B)
     centred_mean: Tensor  # mu_i - m_0(x_i), (..., B)
     variance: Tensor  # v_i, (..., B)
-    projections: Tensor  # a_i = K_uu^{-1} k_ui as columns, (..., M, B)
+    whitened_cross: Tensor  # W = L_K^{-1} K_ux, (..., M, B)
+    projections: Tensor  # a_i = K_uu^{-1} k_ui = L_K^{-T} w_i as columns, (..., M, B)
 
 
 class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
@@ -171,8 +173,10 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
             whitened_precision.size(-1), dtype=whitened_precision.dtype, device=whitened_precision.device
         )
         inner_chol = jittered_cholesky(inner, name="DualVariationalStrategy H")
-        whitened_mean = solve_lower_transpose(inner_chol, solve_lower(inner_chol, whitened_site_mean.unsqueeze(-1)))
-        return DualPosteriorFactors(prior_chol, inner_chol, whitened_site_mean, whitened_mean.squeeze(-1))
+        whitened_mean = cholesky_solve(inner_chol, whitened_site_mean.unsqueeze(-1))
+        return DualPosteriorFactors(
+            prior_chol, whitened_precision, inner_chol, whitened_site_mean, whitened_mean.squeeze(-1)
+        )
 
     @property
     @cached(name="variational_distribution_memo")
@@ -180,7 +184,7 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
         r""":math:`q(\mathbf u) = \mathcal N(\mathbf m, \mathbf S)` of the centred inducing values, with
         :math:`\mathbf m = \mathbf K_{\mathbf{uu}}\mathbf R^{-1}\bar{\boldsymbol\lambda}_1` and
         :math:`\mathbf S = \mathbf K_{\mathbf{uu}}\mathbf R^{-1}\mathbf K_{\mathbf{uu}}` (eqs. 47-48)."""
-        prior_chol, inner_chol, _, whitened_mean = self.posterior_factors()
+        prior_chol, _, inner_chol, _, whitened_mean = self.posterior_factors()
         mean = (prior_chol @ whitened_mean.unsqueeze(-1)).squeeze(-1)
         root = solve_lower(inner_chol, prior_chol.mT).mT  # L_K H^{-T/2}
         return MultivariateNormal(mean, RootLinearOperator(root))
@@ -197,11 +201,11 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
             + \tfrac12\bar{\boldsymbol\lambda}_1^\top\mathbf R^{-1}\bar{\boldsymbol\lambda}_1
             = -\tfrac12\log\lvert\mathbf H\rvert + \tfrac12\mathbf h^\top\mathbf H^{-1}\mathbf h.
         """
-        _, inner_chol, whitened_site_mean, whitened_mean = self.posterior_factors()
+        _, _, inner_chol, whitened_site_mean, whitened_mean = self.posterior_factors()
         return 0.5 * ((whitened_site_mean * whitened_mean).sum(-1) - cholesky_logdet(inner_chol))
 
     def kl_divergence(self) -> Tensor:
-        _, inner_chol, _, whitened_mean = self.posterior_factors()
+        _, _, inner_chol, _, whitened_mean = self.posterior_factors()
         eye = torch.eye(inner_chol.size(-1), dtype=inner_chol.dtype, device=inner_chol.device)
         trace_inverse = solve_lower(inner_chol, eye).pow(2).sum((-2, -1))
         return 0.5 * (trace_inverse + whitened_mean.pow(2).sum(-1) - inner_chol.size(-1) + cholesky_logdet(inner_chol))
@@ -232,7 +236,7 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
         diag: bool = True,
         **kwargs,
     ) -> MultivariateNormal:
-        prior_chol, inner_chol, _, whitened_mean = self.posterior_factors()
+        prior_chol, _, inner_chol, _, whitened_mean = self.posterior_factors()
         prior_mean, whitened_cross, data_covariance = self._whitened_cross_covariance(x, prior_chol)
         reduced_cross = solve_lower(inner_chol, whitened_cross)  # H^{-1/2} W
         mean = prior_mean + (whitened_cross * whitened_mean.unsqueeze(-1)).sum(-2)
@@ -262,7 +266,7 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
         x = checked_inputs(x, self.inducing_points, self.model)
         # Hyperparameters may have moved since the cached factors were computed (an M-step in between).
         self._clear_cache()
-        prior_chol, inner_chol, _, whitened_mean = self.posterior_factors()
+        prior_chol, _, inner_chol, _, whitened_mean = self.posterior_factors()
         prior_mean, whitened_cross, data_covariance = self._whitened_cross_covariance(x, prior_chol)
         reduced_cross = solve_lower(inner_chol, whitened_cross)
         centred_mean = (whitened_cross * whitened_mean.unsqueeze(-1)).sum(-2)
@@ -275,6 +279,7 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
             prior_mean.expand(*batch_shape, -1),
             centred_mean.expand(*batch_shape, -1),
             variance.expand(*batch_shape, -1),
+            whitened_cross,
             projections,
         )
 
