@@ -6,7 +6,12 @@ import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.models import ApproximateGP
 from gpytorch.module import Module
-from gpytorch.utils.memoize import cached
+from gpytorch.utils.memoize import (
+    _add_to_cache_ignore_args,
+    _get_from_cache_ignore_args,
+    _is_in_cache_ignore_args,
+    cached,
+)
 from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator, RootLinearOperator
 from torch import Tensor
@@ -149,21 +154,26 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
             torch.zeros_like(prior.mean), prior.lazy_covariance_matrix.add_jitter(self.jitter_val)
         )
 
-    @cached(name="dual_posterior_factors_memo")
-    def posterior_factors(self) -> DualPosteriorFactors:
+    def posterior_factors(self, prior_covariance: Tensor | None = None) -> DualPosteriorFactors:
         r"""
         :math:`q(\mathbf u)` from the sites at the current hyperparameters, in whitened coordinates
         (:class:`DualPosteriorFactors`); computed once per training step and cached in eval mode.
+
+        :param prior_covariance: :math:`\mathbf K_{\mathbf{uu}}` (with jitter) when the caller has it already from a
+            joint kernel evaluation; evaluated from :attr:`prior_distribution` otherwise.
         """
-        prior_chol = jittered_cholesky(
-            self.prior_distribution.lazy_covariance_matrix.to_dense(), name="DualVariationalStrategy K_uu"
-        )
+        if _is_in_cache_ignore_args(self, "dual_posterior_factors"):
+            return _get_from_cache_ignore_args(self, "dual_posterior_factors")
+        if prior_covariance is None:
+            prior_covariance = self.prior_distribution.lazy_covariance_matrix.to_dense()
+        prior_chol = jittered_cholesky(prior_covariance, name="DualVariationalStrategy K_uu")
         site_mean, site_precision = self._variational_distribution()
         if self._variational_distribution.per_datum:
             # Variant C: ell_1 = K_uu^-1 K_uf lambda_1 and L_2 = K_uu^-1 K_uf diag(lambda_2) K_fu K_uu^-1, so in
             # whitened coordinates h = W_f lambda_1 and P = W_f diag(lambda_2) W_f^T with W_f = L_K^-1 K_uf.
             datum_inputs = checked_inputs(self._variational_distribution.datum_inputs, self.inducing_points, self.model)
-            _, whitened_cross, _ = self._whitened_cross_covariance(datum_inputs, prior_chol)
+            _, _, datum_cross, _ = self._joint_prior(datum_inputs)
+            whitened_cross = solve_lower(prior_chol, datum_cross)
             whitened_site_mean = (whitened_cross @ site_mean.unsqueeze(-1)).squeeze(-1)
             whitened_precision = (whitened_cross * site_precision.unsqueeze(-2)) @ whitened_cross.mT
         else:
@@ -173,10 +183,9 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
             whitened_precision.size(-1), dtype=whitened_precision.dtype, device=whitened_precision.device
         )
         inner_chol = jittered_cholesky(inner, name="DualVariationalStrategy H")
-        whitened_mean = cholesky_solve(inner_chol, whitened_site_mean.unsqueeze(-1))
-        return DualPosteriorFactors(
-            prior_chol, whitened_precision, inner_chol, whitened_site_mean, whitened_mean.squeeze(-1)
-        )
+        whitened_mean = cholesky_solve(inner_chol, whitened_site_mean.unsqueeze(-1)).squeeze(-1)
+        factors = DualPosteriorFactors(prior_chol, whitened_precision, inner_chol, whitened_site_mean, whitened_mean)
+        return _add_to_cache_ignore_args(self, "dual_posterior_factors", factors)
 
     @property
     @cached(name="variational_distribution_memo")
@@ -211,21 +220,42 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
         return 0.5 * (trace_inverse + whitened_mean.pow(2).sum(-1) - inner_chol.size(-1) + cholesky_logdet(inner_chol))
 
     # ------------------------------------------------------------------ q(f)
-    def _whitened_cross_covariance(self, x: Tensor, prior_chol: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        r"""The prior mean at :math:`\mathbf x`, :math:`\mathbf W = \mathbf L_K^{-1}\mathbf K_{\mathbf u\mathbf x}` and
-        the lazy prior covariance at :math:`\mathbf x`, from one kernel evaluation."""
+    def _joint_prior(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        r"""
+        One evaluation of the prior at :math:`[\mathbf Z; \mathbf x]`: the prior mean at :math:`\mathbf x`,
+        :math:`\mathbf K_{\mathbf{uu}}` with jitter (``None`` when :math:`\mathbf x` has a larger batch shape than
+        :math:`\mathbf Z`, so that its block would be expanded), :math:`\mathbf K_{\mathbf u\mathbf x}`, and the lazy
+        prior covariance at :math:`\mathbf x`.
+        """
         inducing_points = self.inducing_points
-        if inducing_points.shape[:-2] != x.shape[:-2]:
+        expanded = inducing_points.shape[:-2] != x.shape[:-2]
+        if expanded:
             x, inducing_points = self._expand_inputs(x, inducing_points)
         num_inducing = inducing_points.size(-2)
         joint = self.model.forward(torch.cat([inducing_points, x], dim=-2))
         covariance = joint.lazy_covariance_matrix
-        cross = covariance[..., :num_inducing, num_inducing:].to_dense()
+        prior_covariance = (
+            None if expanded else covariance[..., :num_inducing, :num_inducing].add_jitter(self.jitter_val).to_dense()
+        )
         return (
             joint.mean[..., num_inducing:],
-            solve_lower(prior_chol, cross),
+            prior_covariance,
+            covariance[..., :num_inducing, num_inducing:].to_dense(),
             covariance[..., num_inducing:, num_inducing:],
         )
+
+    def _marginals(self, x: Tensor) -> tuple[DualPosteriorFactors, Tensor, Tensor, Tensor, Tensor]:
+        r"""
+        The factors of :math:`q`, the prior mean and lazy covariance at :math:`\mathbf x`,
+        :math:`\mathbf W = \mathbf L_K^{-1}\mathbf K_{\mathbf u\mathbf x}` and :math:`\mathbf L_H^{-1}\mathbf W`,
+        from which :math:`q(f(\mathbf x))` has mean :math:`\mu_0 + \mathbf W^\top\mathbf H^{-1}\mathbf h` and
+        covariance :math:`\mathbf K_{\mathbf{xx}} - \mathbf W^\top\mathbf W
+        + (\mathbf L_H^{-1}\mathbf W)^\top\mathbf L_H^{-1}\mathbf W`.
+        """
+        prior_mean, prior_covariance, cross, data_covariance = self._joint_prior(x)
+        factors = self.posterior_factors(prior_covariance)
+        whitened_cross = solve_lower(factors.prior_cholesky, cross)
+        return factors, prior_mean, data_covariance, whitened_cross, solve_lower(factors.inner_cholesky, whitened_cross)
 
     def forward(
         self,
@@ -236,16 +266,10 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
         diag: bool = True,
         **kwargs,
     ) -> MultivariateNormal:
-        prior_chol, _, inner_chol, _, whitened_mean = self.posterior_factors()
-        prior_mean, whitened_cross, data_covariance = self._whitened_cross_covariance(x, prior_chol)
-        reduced_cross = solve_lower(inner_chol, whitened_cross)  # H^{-1/2} W
-        mean = prior_mean + (whitened_cross * whitened_mean.unsqueeze(-1)).sum(-2)
+        factors, prior_mean, data_covariance, whitened_cross, reduced_cross = self._marginals(x)
+        mean = prior_mean + (whitened_cross * factors.whitened_mean.unsqueeze(-1)).sum(-2)
         if diag and self.training:
-            variance = (
-                data_covariance.diagonal(dim1=-2, dim2=-1)
-                - whitened_cross.pow(2).sum(-2)
-                + reduced_cross.pow(2).sum(-2)
-            )
+            variance = _marginal_variances(data_covariance, whitened_cross, reduced_cross)
             return MultivariateNormal(mean, DiagLinearOperator(variance))
         covariance = (
             data_covariance
@@ -266,21 +290,16 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
         x = checked_inputs(x, self.inducing_points, self.model)
         # Hyperparameters may have moved since the cached factors were computed (an M-step in between).
         self._clear_cache()
-        prior_chol, _, inner_chol, _, whitened_mean = self.posterior_factors()
-        prior_mean, whitened_cross, data_covariance = self._whitened_cross_covariance(x, prior_chol)
-        reduced_cross = solve_lower(inner_chol, whitened_cross)
-        centred_mean = (whitened_cross * whitened_mean.unsqueeze(-1)).sum(-2)
-        variance = (
-            data_covariance.diagonal(dim1=-2, dim2=-1) - whitened_cross.pow(2).sum(-2) + reduced_cross.pow(2).sum(-2)
-        )
-        projections = solve_lower_transpose(prior_chol, whitened_cross)
+        factors, prior_mean, data_covariance, whitened_cross, reduced_cross = self._marginals(x)
+        centred_mean = (whitened_cross * factors.whitened_mean.unsqueeze(-1)).sum(-2)
+        variance = _marginal_variances(data_covariance, whitened_cross, reduced_cross)
         batch_shape = torch.broadcast_shapes(centred_mean.shape[:-1], self._variational_distribution.batch_shape)
         return DualSiteStatistics(
             prior_mean.expand(*batch_shape, -1),
             centred_mean.expand(*batch_shape, -1),
             variance.expand(*batch_shape, -1),
             whitened_cross,
-            projections,
+            solve_lower_transpose(factors.prior_cholesky, whitened_cross),
         )
 
     def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
@@ -293,3 +312,7 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
         # resetting sites that were set (or loaded) before it.
         self.variational_params_initialized.fill_(1)
         return Module.__call__(self, x, self.inducing_points, diag=diag, **kwargs)
+
+
+def _marginal_variances(data_covariance, whitened_cross: Tensor, reduced_cross: Tensor) -> Tensor:
+    return data_covariance.diagonal(dim1=-2, dim2=-1) - whitened_cross.pow(2).sum(-2) + reduced_cross.pow(2).sum(-2)
