@@ -8,6 +8,7 @@ grid (so every kernel matrix stays well conditioned).
 from __future__ import annotations
 
 import gpytorch
+import numpy as np
 import torch
 
 from tests.oracles import rbf
@@ -70,6 +71,11 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
+def assert_close(actual: torch.Tensor, expected: torch.Tensor | float, rtol: float, atol: float = 0.0) -> None:
+    """``torch.testing.assert_close`` against a float64 ``expected`` (a number is promoted)."""
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=F64), rtol=rtol, atol=atol)
+
+
 def finite_domain(seed: int) -> torch.Tensor:
     """30 distinct 2-D points: a perturbed 6 x 5 grid (spacing ~1, lengthscale 0.7: cond(K_DD) ~ 20)."""
     gen = generator(seed)
@@ -85,6 +91,14 @@ def regression_problem(seed: int, n: int = 60, m_beta: int = 6, m_gamma: int = 1
     X = 4.4 * torch.rand(n, 2, generator=gen, dtype=F64) - 2.2
     y = torch.sin(1.5 * X[:, 0]) + 0.5 * torch.cos(2.0 * X[:, 1]) + 0.3 * randn(n, gen=gen)
     return grid[:m_beta], grid[m_beta : m_beta + m_gamma], X, y
+
+
+def three_class_blobs(seed: int, per_class: int = 30, spread: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(X, classes)``: three Gaussian blobs in 2-D (centres on a triangle, standard deviation ``spread``), classes
+    ``0, 1, 2`` in blocks of ``per_class``."""
+    centres = torch.tensor([[-1.5, -1.0], [1.5, -1.0], [0.0, 1.6]], dtype=F64)
+    classes = torch.arange(3).repeat_interleave(per_class)
+    return centres[classes] + spread * randn(3 * per_class, 2, gen=generator(seed)), classes
 
 
 def odvgp_blocks(gamma: torch.Tensor, beta: torch.Tensor, X: torch.Tensor, jitter: float = 0.0) -> dict:
@@ -116,18 +130,52 @@ def full_batch_elbo(model, likelihood, X: torch.Tensor, y: torch.Tensor) -> torc
     return X.size(-2) * mll(model(X), y)
 
 
-def fix_hyperparameters(model: gpytorch.Module, constant_mean: float | None = None) -> None:
-    """Makes ``model`` float64 and gives its ``ScaleKernel(RBFKernel())`` the fixed kernel (and its ``ConstantMean``
-    the value ``constant_mean``), set from float64 tensors: a Python float would round through float32."""
+def fix_hyperparameters(
+    model: gpytorch.Module,
+    constant_mean: float | None = None,
+    lengthscale: float = LENGTHSCALE,
+    outputscale: float = OUTPUTSCALE,
+) -> None:
+    """Makes ``model`` float64 and gives its first ``ScaleKernel(RBFKernel())`` (also one inside an
+    ``InducingPointKernel``) the fixed kernel (and its ``ConstantMean`` the value ``constant_mean``), set from float64
+    tensors: a Python float would round through float32."""
     model.double()
-    model.covar_module.base_kernel.lengthscale = torch.tensor(LENGTHSCALE, dtype=F64)
-    model.covar_module.outputscale = torch.tensor(OUTPUTSCALE, dtype=F64)
+    kernel = next(module for module in model.modules() if isinstance(module, gpytorch.kernels.ScaleKernel))
+    kernel.base_kernel.lengthscale = torch.tensor(lengthscale, dtype=F64)
+    kernel.outputscale = torch.tensor(outputscale, dtype=F64)
     if constant_mean is not None:
         model.mean_module.constant = torch.tensor(constant_mean, dtype=F64)
 
 
-def gaussian_likelihood() -> gpytorch.likelihoods.GaussianLikelihood:
+def gaussian_likelihood(noise: float = NOISE) -> gpytorch.likelihoods.GaussianLikelihood:
     """A float64 Gaussian likelihood with the fixed noise."""
     likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
-    likelihood.noise = torch.tensor(NOISE, dtype=F64)
+    likelihood.noise = torch.tensor(noise, dtype=F64)
     return likelihood
+
+
+class ProbitBernoulliLikelihood(gpytorch.likelihoods.BernoulliLikelihood):
+    """GPyTorch's Bernoulli-probit likelihood with a float64-accurate expected log-likelihood, for identity tests.
+
+    Two things in GPyTorch cap the accuracy of ``BernoulliLikelihood.expected_log_prob`` far above float64 roundoff:
+    its ``log_normal_cdf`` is an approximation (absolute error ~5e-5 at -2, ~1e-7 at -4; ``torch.special.log_ndtr``
+    agrees with scipy), and its Gauss-Hermite rule is built through float32 tensors (the weights sum to sqrt(pi) only
+    to ~1e-8). This subclass integrates ``log_ndtr`` with a float64 ``num_locs``-point rule, so that it agrees with the
+    oracle's :func:`~tests.oracles.dual.bernoulli_expected_loglik` with the same number of points to roundoff.
+    """
+
+    def __init__(self, num_locs: int = 40):
+        super().__init__()
+        nodes, weights = np.polynomial.hermite.hermgauss(num_locs)
+        self.quadrature.num_locs = num_locs
+        self.quadrature.locations = torch.from_numpy(nodes)
+        self.quadrature.weights = torch.from_numpy(weights)
+
+    def expected_log_prob(self, observations, function_dist, *args, **kwargs):
+        signs = observations.mul(2).sub(1)
+        return self.quadrature(lambda f: torch.special.log_ndtr(f * signs), function_dist)
+
+
+def bernoulli_likelihood(num_locs: int = 40) -> ProbitBernoulliLikelihood:
+    """A float64 :class:`ProbitBernoulliLikelihood`."""
+    return ProbitBernoulliLikelihood(num_locs).double()

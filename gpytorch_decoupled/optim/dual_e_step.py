@@ -10,6 +10,7 @@ from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from ..variational import DualSiteStatistics, DualVariationalStrategy
+from ..variational._input_checks import checked_inputs
 
 
 class DualEStep(torch.optim.Optimizer):
@@ -162,6 +163,9 @@ class DualEStep(torch.optim.Optimizer):
         if distribution.per_datum:
             if indices is None or indices.shape != (x.size(0),):
                 raise ValueError("per-datum sites need the batch's indices into datum_inputs, one per row of x.")
+            # Validate x first (width, dtype, device, NaN), so that a bad batch gets its own error, not a failed
+            # (or, across devices, impossible) comparison with datum_inputs.
+            checked_inputs(x, self.strategy.inducing_points, self.strategy.model)
             if not torch.equal(distribution.datum_inputs[indices], x):
                 raise ValueError("x is not datum_inputs[indices]; the sites were not changed.")
         first_target, second_target, statistics = self._targets(x, y)
