@@ -234,13 +234,16 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
         num_inducing = inducing_points.size(-2)
         joint = self.model.forward(torch.cat([inducing_points, x], dim=-2))
         covariance = joint.lazy_covariance_matrix
-        prior_covariance = (
-            None if expanded else covariance[..., :num_inducing, :num_inducing].add_jitter(self.jitter_val).to_dense()
-        )
+        # One kernel evaluation k(Z, [Z; x]) gives both K_uu and K_ux.
+        inducing_rows = covariance[..., :num_inducing, :].to_dense()
+        prior_covariance = None
+        if not expanded:
+            eye = torch.eye(num_inducing, dtype=inducing_rows.dtype, device=inducing_rows.device)
+            prior_covariance = inducing_rows[..., :num_inducing] + self.jitter_val * eye
         return (
             joint.mean[..., num_inducing:],
             prior_covariance,
-            covariance[..., :num_inducing, num_inducing:].to_dense(),
+            inducing_rows[..., num_inducing:],
             covariance[..., num_inducing:, num_inducing:],
         )
 
