@@ -3,5 +3,13 @@
 from .dual_e_step import DualEStep
 from .online_basis_growth import OnlineBasisGrowth
 from .orthogonal_mean_natural_gradient import OrthogonalMeanNaturalGradient
+from .recursive_gradient_propagation import RecursiveGradientPropagation
+from .streaming_collapsed_bound import StreamingCollapsedBound
 
-__all__ = ["DualEStep", "OnlineBasisGrowth", "OrthogonalMeanNaturalGradient"]
+__all__ = [
+    "DualEStep",
+    "OnlineBasisGrowth",
+    "OrthogonalMeanNaturalGradient",
+    "RecursiveGradientPropagation",
+    "StreamingCollapsedBound",
+]

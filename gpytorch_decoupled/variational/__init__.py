@@ -7,6 +7,7 @@ from .dual_variational_distribution import DualSites, DualVariationalDistributio
 from .dual_variational_strategy import DualPosteriorFactors, DualSiteStatistics, DualVariationalStrategy
 from .hybrid_variational_strategy import HybridVariationalStrategy
 from .independent_multitask_variational_strategy import IndependentMultitaskVariationalStrategy
+from .kalman_variational_strategy import KalmanVariationalStrategy
 from .lmc_variational_strategy import LMCVariationalStrategy
 from .orthogonally_decoupled_variational_strategy import OrthogonallyDecoupledVariationalStrategy
 
@@ -21,6 +22,7 @@ __all__ = [
     "DualVariationalStrategy",
     "HybridVariationalStrategy",
     "IndependentMultitaskVariationalStrategy",
+    "KalmanVariationalStrategy",
     "LMCVariationalStrategy",
     "OrthogonallyDecoupledVariationalStrategy",
     "convert_mean_basis",

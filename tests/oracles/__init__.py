@@ -9,7 +9,9 @@ Modules: :mod:`.kernels` (dense SE-ARD), :mod:`.gaussian` (KL, log density, expe
 SVGP ELBO / predictive, whitening), :mod:`.process_kl` (KL between GPs on a finite grid), :mod:`.orthogonal`
 (orthogonally decoupled VGP: predictive, KL, ELBO, closed-form optimum and its value), :mod:`.decoupled` (Decoupled /
 SVDGP: predictive, KL, ELBO, S-form maps, closed-form optimum, KL gradients) and :mod:`.hybrid` (Hybrid basis:
-predictive, KL, ELBO, maps to and from ODVGP, closed-form optimum).
+predictive, KL, ELBO, maps to and from ODVGP, closed-form optimum);
+:mod:`.recursive_sparse_gp` (VFE/DTC/FITC/PITC/PEP batch bounds, posterior and predictive, covariance-form Kalman
+filter).
 """
 
 from .decoupled import (
@@ -35,6 +37,13 @@ from .orthogonal import (
     odvgp_residual_features,
 )
 from .process_kl import process_kl
+from .recursive_sparse_gp import (
+    kalman_filter,
+    recursive_sparse_bound,
+    recursive_sparse_posterior,
+    recursive_sparse_predictive,
+    sparse_model_noise,
+)
 from .sparse_gp import (
     collapsed_bound,
     svgp_elbo,
@@ -64,6 +73,7 @@ __all__ = [
     "hybrid_optimum",
     "hybrid_predictive",
     "hybrid_to_odvgp",
+    "kalman_filter",
     "odvgp_conditional_optimum",
     "odvgp_elbo",
     "odvgp_kl",
@@ -74,7 +84,11 @@ __all__ = [
     "odvgp_to_hybrid",
     "process_kl",
     "rbf",
+    "recursive_sparse_bound",
+    "recursive_sparse_posterior",
+    "recursive_sparse_predictive",
     "s_to_decoupled_precision",
+    "sparse_model_noise",
     "svgp_elbo",
     "svgp_kl",
     "svgp_marginals",

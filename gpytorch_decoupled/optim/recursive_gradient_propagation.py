@@ -1,0 +1,312 @@
+from __future__ import annotations
+
+import torch
+from gpytorch import settings
+from gpytorch.likelihoods import GaussianLikelihood
+from gpytorch.models import ApproximateGP
+from torch import Tensor
+from torch.func import functional_call, jvp, vmap
+
+from ._kalman_model import kalman_strategy
+
+PROPAGATE = ("full", "hyperparameters", "none")
+
+# Elements of the per-chunk Jacobian intermediates (float64: 128 MiB) that the automatic chunk size aims for.
+_CHUNK_ELEMENTS = 2**24
+
+
+class _Increments(torch.nn.Module):
+    """The model and likelihood as submodules, so that :func:`torch.func.functional_call` swaps their parameters;
+    the forward pass is a mini-batch's information increments (the packed upper triangle of the matrix)."""
+
+    def __init__(self, model: ApproximateGP, likelihood: GaussianLikelihood):
+        super().__init__()
+        self.model = model
+        self.likelihood = likelihood
+
+    def forward(self, x: Tensor, y: Tensor, rows: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
+        terms, _ = self.model.variational_strategy._observation_terms(x, y)
+        return terms.information_vector, terms.information_matrix[..., rows, cols]
+
+
+class RecursiveGradientPropagation:
+    r"""
+    Stochastic recursive gradient propagation (SRGP, `Schuerch et al. (2020)`_; spec B.3): learns the
+    hyperparameters :math:`\theta` (kernel, mean, Gaussian noise and inducing inputs) of a model with a
+    :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` from a stream of mini-batches, one gradient step
+    per mini-batch on the recursive collapsed bound :math:`\sum_k\psi_k(\theta)`.
+
+    The information-form increments of a mini-batch depend on :math:`\theta` only, not on the state, so the state's
+    Jacobians :math:`\mathbf J_\eta = \partial\tilde{\boldsymbol\eta}/\partial\theta` and
+    :math:`\mathbf J_\Lambda = \partial\tilde{\boldsymbol\Lambda}/\partial\theta` are running sums of the increments'
+    Jacobians (computed in forward mode, :func:`torch.func.jvp` vectorized over chunks of directions). Each
+    :meth:`step`, in the reference order:
+
+    1. computes :math:`\psi_k` and its total gradient at the current :math:`\theta` from the stored statistics
+       (leaves of one reverse pass) and their propagated Jacobians,
+
+       .. math::
+
+           \mathbf g_k = \frac{\partial\psi_k}{\partial\theta}
+           + \mathbf J_\eta^\top\frac{\partial\psi_k}{\partial\tilde{\boldsymbol\eta}}
+           + \sum_{a,b}(\mathbf J_\Lambda)_{ab:}
+           \Big(\frac{\partial\psi_k}{\partial\tilde{\boldsymbol\Lambda}}\Big)_{ab};
+
+    2. absorbs the mini-batch into the strategy (so ``strategy.recursive_bound`` is the running
+       :math:`\sum_k\psi_k` of the epoch) and adds the increments' Jacobians to the propagated ones;
+    3. sets ``p.grad`` to :math:`-\mathbf g_k` (the gradient of the loss :math:`-\psi_k`; previous gradients are
+       overwritten) for every parameter of ``optimizer`` and calls ``optimizer.step()``.
+
+    :meth:`start_epoch` resets the strategy and the Jacobians at the current :math:`\theta` (call it before each
+    pass over the data). At a fixed :math:`\theta` (learning rate 0), the gradients of an epoch sum to the exact
+    gradient of the batch bound (Proposition 1). While :math:`\theta` moves, each mini-batch's statistics stay those of
+    the :math:`\theta` at which it was absorbed, as in the paper; the prior :math:`\mathbf K_{\mathbf{uu}}` of the state
+    is always the current one (the reference code freezes it at the epoch start). The stochastic gradient is that of
+    one term; Adam is invariant to its scale, plain SGD wants a learning rate :math:`K_b` times larger. For predictions
+    after training, one more pass at the final :math:`\theta` (``strategy.reset()`` and ``strategy.update`` per
+    mini-batch) gives the exact posterior.
+
+    **Memory and the cheaper variants.** With :math:`P` propagated scalar parameters (for SE-ARD with learned
+    inducing inputs :math:`P = Md + d + 2`, plus the mean's), :math:`\mathbf J_\Lambda` costs
+    :math:`M(M+1)/2 \cdot P` floats (its symmetric upper triangle is stored; exact) and :math:`\mathbf J_\eta`
+    :math:`MP`, times the number of latents: for :math:`M = 500`, :math:`d = 8` that is 4 GiB in float64.
+    Computing the increments' Jacobians costs :math:`P` forward-mode passes per mini-batch,
+    :math:`O(P(BM^2 + M^3))`. ``propagate`` trades exactness for memory and time:
+
+    * ``"full"``: every parameter of ``optimizer`` is propagated (the published algorithm; exact in the sense of
+      Proposition 1). Memory :math:`O(M^3d)`.
+    * ``"hyperparameters"``: every parameter except the inducing inputs :math:`\mathbf Z` is propagated (:math:`P =
+      d + 2`, memory :math:`O(M^2d)`). The kernel, mean and noise gradients stay exact; the gradient of
+      :math:`\mathbf Z` is the *naive* one, :math:`\partial\psi_k/\partial\mathbf Z` at fixed statistics: it drops
+      exactly the history term :math:`\sum_{j<k}(\partial\psi_k/\partial\text{state})(\partial\Delta\text{state}_j /
+      \partial\mathbf Z)`, so it is biased towards fitting the current mini-batch (still exact in the prior
+      :math:`\mathbf K_{\mathbf{uu}}(\mathbf Z)`). Use it when the inducing inputs are many, or learn them with a
+      smaller learning rate.
+    * ``"none"``: the naive gradient for every parameter (no Jacobians; memory :math:`O(M^2)`). It forgets how the
+      past mini-batches depend on :math:`\theta` and overfits the current one; meant as an ablation.
+
+    :param model: An :class:`~gpytorch.models.ApproximateGP` with a
+        :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy`.
+    :param likelihood: The strategy's :class:`~gpytorch.likelihoods.GaussianLikelihood`.
+    :param optimizer: Any :class:`torch.optim.Optimizer` over parameters of ``model`` and ``likelihood`` (typically
+        Adam; per-group learning rates work as usual).
+    :param propagate: ``"full"`` (default), ``"hyperparameters"`` or ``"none"`` (see above).
+    :param chunk_size: Directions per vectorized forward-mode pass (default: chosen to keep the intermediates near
+        128 MiB).
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpytorch_decoupled.optim import RecursiveGradientPropagation
+        >>> from gpytorch_decoupled.variational import KalmanVariationalStrategy
+        >>> class RecursiveGP(gpytorch.models.ApproximateGP):
+        ...     def __init__(self, inducing_points, likelihood):
+        ...         super().__init__(KalmanVariationalStrategy(self, inducing_points, likelihood))
+        ...         self.mean_module = gpytorch.means.ZeroMean()
+        ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        ...     def forward(self, x):
+        ...         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+        >>> x = torch.linspace(-3, 3, 500).unsqueeze(-1)
+        >>> y = torch.sin(2 * x.squeeze(-1)) + 0.1 * torch.randn(500)
+        >>> likelihood = gpytorch.likelihoods.GaussianLikelihood()
+        >>> model = RecursiveGP(torch.linspace(-3, 3, 10).unsqueeze(-1), likelihood)
+        >>> optimizer = torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=0.05)
+        >>> srgp = RecursiveGradientPropagation(model, likelihood, optimizer)
+        >>> strategy, epoch_bounds = model.variational_strategy, []
+        >>> for epoch in range(3):
+        ...     srgp.start_epoch()
+        ...     for batch in torch.randperm(500).split(100):
+        ...         psi = srgp.step(x[batch], y[batch])
+        ...     epoch_bounds.append(strategy.recursive_bound.item())  # the epoch's sum of terms, at a moving theta
+        >>> epoch_bounds[0] < epoch_bounds[-1]
+        True
+        >>> strategy.reset()  # one more pass: the exact posterior at the final hyperparameters
+        >>> for batch in torch.arange(500).split(100):
+        ...     _ = strategy.update(x[batch], y[batch])
+
+    .. _Schuerch et al. (2020):
+        https://arxiv.org/abs/1910.08393
+    """
+
+    def __init__(
+        self,
+        model: ApproximateGP,
+        likelihood: GaussianLikelihood,
+        optimizer: torch.optim.Optimizer,
+        propagate: str = "full",
+        chunk_size: int | None = None,
+    ):
+        self.strategy = kalman_strategy(model, likelihood, type(self).__name__)
+        if propagate not in PROPAGATE:
+            raise ValueError(f"propagate must be one of {', '.join(map(repr, PROPAGATE))}, got {propagate!r}.")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}.")
+        self.optimizer = optimizer
+        self.propagate = propagate
+        self.chunk_size = chunk_size
+        self._increment_module = _Increments(model, likelihood)
+        names = {id(parameter): name for name, parameter in self._increment_module.named_parameters()}
+        self._parameters: list[torch.nn.Parameter] = []
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                if id(parameter) not in names:
+                    raise ValueError(
+                        f"{type(self).__name__}: the optimizer holds a tensor of shape {tuple(parameter.shape)} that "
+                        "is not a parameter of the model or the likelihood."
+                    )
+                if parameter.requires_grad and all(parameter is not known for known in self._parameters):
+                    self._parameters.append(parameter)
+        self.propagated_parameters: list[torch.nn.Parameter] = [
+            parameter
+            for parameter in self._parameters
+            if propagate == "full"
+            or (propagate == "hyperparameters" and parameter is not self.strategy.inducing_points)
+        ]
+        self._propagated_names = [names[id(parameter)] for parameter in self.propagated_parameters]
+        self._sizes = [parameter.numel() for parameter in self.propagated_parameters]
+        self._vector_jacobian: Tensor | None = None
+        self._matrix_jacobian: Tensor | None = None
+        self._num_observed = 0
+
+    # ------------------------------------------------------------------ Jacobians
+    @property
+    def num_propagated(self) -> int:
+        """:math:`P`, the number of scalar parameters whose Jacobians are propagated."""
+        return sum(self._sizes)
+
+    def _triangle(self) -> tuple[Tensor, Tensor]:
+        num_inducing = self.strategy.inducing_points.size(-2)
+        rows, cols = torch.triu_indices(num_inducing, num_inducing, device=self.strategy.inducing_points.device)
+        return rows, cols
+
+    def information_jacobians(self) -> tuple[Tensor, Tensor]:
+        r"""
+        The propagated Jacobians of the strategy's statistics (``information_vector`` :math:`\tilde{\boldsymbol\eta}`
+        and ``information_matrix`` :math:`\tilde{\boldsymbol\Lambda} - \mathbf K_{\mathbf{uu}}`) with respect to the
+        flattened :attr:`propagated_parameters`, in their order: ``(..., M, P)`` and ``(..., M, M, P)``.
+        """
+        if self._vector_jacobian is None:
+            raise RuntimeError("no epoch has been started; call start_epoch() first.")
+        rows, cols = self._triangle()
+        num_inducing = self._vector_jacobian.size(-2)
+        matrix = self._matrix_jacobian.new_zeros(
+            *self._matrix_jacobian.shape[:-2], num_inducing, num_inducing, self.num_propagated
+        )
+        matrix[..., rows, cols, :] = self._matrix_jacobian
+        matrix[..., cols, rows, :] = self._matrix_jacobian
+        return self._vector_jacobian, matrix
+
+    @property
+    def jacobian_bytes(self) -> int:
+        """Memory held by the propagated Jacobians (0 before the first epoch and for ``propagate="none"``)."""
+        if self._vector_jacobian is None:
+            return 0
+        return sum(tensor.numel() * tensor.element_size() for tensor in (self._vector_jacobian, self._matrix_jacobian))
+
+    def start_epoch(self) -> None:
+        """Resets the strategy to the prior and the Jacobians to zero, at the current hyperparameters."""
+        self.strategy.reset()
+        state = self.strategy._variational_distribution
+        num_inducing, size = state.num_inducing_points, self.num_propagated
+        options = {"dtype": torch.float64, "device": state.device}
+        self._vector_jacobian = torch.zeros(*state.batch_shape, num_inducing, size, **options)
+        self._matrix_jacobian = torch.zeros(*state.batch_shape, num_inducing * (num_inducing + 1) // 2, size, **options)
+        self._num_observed = 0
+
+    def _add_increment_jacobians(self, x: Tensor, y: Tensor) -> None:
+        """Adds the Jacobians of a mini-batch's increments (vector and packed matrix) with respect to the propagated
+        parameters to the propagated ones, chunk by chunk of unit directions (vectorized forward-mode passes), so
+        that no second copy of the Jacobians is ever held."""
+        primals = {
+            name: parameter.detach() for name, parameter in zip(self._propagated_names, self.propagated_parameters)
+        }
+        rows, cols = self._triangle()
+
+        def increments(parameters: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+            return functional_call(self._increment_module, parameters, (x, y, rows, cols))
+
+        def directional(tangents: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+            return jvp(increments, (primals,), (tangents,))[1]
+
+        size = self.num_propagated
+        state = self.strategy._variational_distribution
+        num_inducing, batch = state.num_inducing_points, x.size(-2)
+        per_direction = state.batch_shape.numel() * (num_inducing**2 + 4 * num_inducing * batch + batch**2)
+        chunk = self.chunk_size or max(1, _CHUNK_ELEMENTS // per_direction)
+        # trace_mode keeps GPyTorch's kernels off custom autograd Functions, which have no forward-mode rules.
+        with torch.no_grad(), settings.trace_mode(True):
+            for start in range(0, size, chunk):
+                stop = min(start + chunk, size)
+                directions = torch.zeros(stop - start, size, dtype=torch.float64, device=x.device)
+                directions[:, start:stop].fill_diagonal_(1.0)
+                tangents = {
+                    name: column.reshape(stop - start, *parameter.shape).to(parameter.dtype)
+                    for name, parameter, column in zip(
+                        self._propagated_names, self.propagated_parameters, directions.split(self._sizes, dim=-1)
+                    )
+                }
+                vector, matrix = vmap(directional)(tangents)
+                if not (torch.isfinite(vector).all() and torch.isfinite(matrix).all()):
+                    raise RuntimeError("the Jacobians of the mini-batch's increments are not finite.")
+                self._vector_jacobian[..., start:stop] += vector.movedim(0, -1)
+                self._matrix_jacobian[..., start:stop] += matrix.movedim(0, -1)
+
+    # ------------------------------------------------------------------ the step
+    def step(self, x: Tensor, y: Tensor) -> float:
+        r"""
+        One SRGP step on a mini-batch: :math:`\psi_k` and its total gradient, absorb the mini-batch, one optimizer step.
+
+        :param x: Inputs, ``(B, D)``.
+        :param y: Targets, ``(B,)``.
+        :return: :math:`\psi_k` at the hyperparameters before the step (summed over latents).
+        """
+        strategy = self.strategy
+        x, y = strategy._checked_data(x, y)
+        if self._vector_jacobian is None:
+            self.start_epoch()
+        if strategy.num_observed != self._num_observed:
+            raise RuntimeError(
+                "the strategy's state and the propagated Jacobians are out of step (the state changed outside this "
+                "optimizer by update, reset or load_state_dict, or a step failed half-way); call start_epoch() to "
+                "restart the epoch."
+            )
+        information_vector, information_matrix = (
+            statistic.detach().clone().requires_grad_(True) for statistic in strategy._variational_distribution()
+        )
+        with torch.enable_grad():
+            psi, terms = strategy._bound_term(x, y, information_vector, information_matrix)
+            gradients = torch.autograd.grad(
+                psi.sum(), [*self._parameters, information_vector, information_matrix], allow_unused=True
+            )
+        *direct, vector_adjoint, matrix_adjoint = gradients
+        history = self._history(vector_adjoint, matrix_adjoint)
+        increments = strategy._increments(terms, psi)
+
+        # The Jacobians are added in place, chunk by chunk: should that fail half-way (out of memory), the epoch
+        # cannot go on, and the next step says so.
+        self._num_observed = -1
+        self._add_increment_jacobians(x, y)
+        strategy._absorb(increments, x.size(-2))
+        self._num_observed = strategy.num_observed
+
+        histories = dict(zip(map(id, self.propagated_parameters), history.split(self._sizes), strict=True))
+        for parameter, gradient in zip(self._parameters, direct, strict=True):
+            total = torch.zeros_like(parameter) if gradient is None else gradient.detach().clone()
+            if id(parameter) in histories:
+                total += histories[id(parameter)].view_as(parameter).to(parameter.dtype)
+            parameter.grad = total.neg_()
+        self.optimizer.step()
+        strategy._clear_cache()
+        return float(psi.detach().sum())
+
+    def _history(self, vector_adjoint: Tensor | None, matrix_adjoint: Tensor | None) -> Tensor:
+        r""":math:`\mathbf J_\eta^\top\bar{\boldsymbol\eta}+\langle\mathbf J_\Lambda,\bar{\boldsymbol\Lambda}\rangle`,
+        summed over latents; the packed triangle weighs off-diagonal entries by both of their adjoints."""
+        size = self.num_propagated
+        if size == 0 or vector_adjoint is None:
+            return torch.zeros(size, dtype=torch.float64, device=self.strategy.inducing_points.device)
+        rows, cols = self._triangle()
+        weights = matrix_adjoint + matrix_adjoint.mT
+        weights = weights[..., rows, cols] - torch.where(rows == cols, matrix_adjoint[..., rows, cols], 0.0)
+        vector_part = torch.einsum("...m,...mp->...p", vector_adjoint, self._vector_jacobian)
+        matrix_part = torch.einsum("...t,...tp->...p", weights, self._matrix_jacobian)
+        return (vector_part + matrix_part).reshape(-1, size).sum(0)

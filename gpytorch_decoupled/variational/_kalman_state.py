@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.variational._variational_distribution import _VariationalDistribution
+from torch import Tensor
+
+_STATE_BUFFERS = ("information_vector", "information_matrix", "bound", "num_observed")
+
+
+class _KalmanState(_VariationalDistribution):
+    r"""
+    What a :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` has absorbed: the data part of its
+    information-form state in the transformed coordinates :math:`\tilde{\mathbf u} = \mathbf K_{\mathbf{uu}}^{-1}
+    \mathbf u` (``information_vector`` :math:`\tilde{\boldsymbol\eta} = \sum_k \mathbf K_{\mathbf uk}\mathbf V_k^{-1}
+    \mathbf y_k`, ``information_matrix`` :math:`\tilde{\boldsymbol\Lambda} - \mathbf K_{\mathbf{uu}} = \sum_k
+    \mathbf K_{\mathbf uk}\mathbf V_k^{-1}\mathbf K_{k\mathbf u}`), the running bound :math:`\sum_k\psi_k` and the
+    number of points absorbed.
+
+    GPyTorch's strategies need a variational distribution; this one has no parameters (nothing here is trained by
+    gradients), only buffers, which round-trip through ``state_dict``. They stay float64 whatever dtype the model is
+    converted to (``.to(device)`` moves them), so that a stream survives ``model.float()`` and back unchanged. All
+    zeros is the prior.
+    """
+
+    def __init__(self, num_inducing_points: int, batch_shape: torch.Size = torch.Size([])):
+        super().__init__(num_inducing_points=num_inducing_points, batch_shape=batch_shape)
+        f64 = torch.float64
+        self.register_buffer("information_vector", torch.zeros(*batch_shape, num_inducing_points, dtype=f64))
+        matrix = torch.zeros(*batch_shape, num_inducing_points, num_inducing_points, dtype=f64)
+        self.register_buffer("information_matrix", matrix)
+        self.register_buffer("bound", torch.zeros(batch_shape, dtype=f64))
+        self.register_buffer("num_observed", torch.zeros((), dtype=torch.long))
+
+    @property
+    def device(self) -> torch.device:
+        return self.information_vector.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.information_vector.dtype
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        return self.information_vector, self.information_matrix
+
+    def initialize_variational_distribution(self, prior_dist: MultivariateNormal) -> None:
+        """All zeros is already the prior, at any hyperparameters."""
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        for name in _STATE_BUFFERS:
+            getattr(self, name).zero_()
+
+    @torch.no_grad()
+    def absorb(self, information_vector: Tensor, information_matrix: Tensor, bound: Tensor, count: int) -> None:
+        """Adds one mini-batch's (finite, already validated) increments; nothing here can fail half-way."""
+        self.information_vector.add_(information_vector)
+        self.information_matrix.add_(information_matrix)
+        self.bound.add_(bound)
+        self.num_observed.add_(count)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], *args, **kwargs):
+        saved = {name: self._buffers[name] for name in _STATE_BUFFERS}
+        result = super()._apply(fn, *args, **kwargs)
+        for name, value in saved.items():
+            # Take the device of the converted buffer, but keep the float64 values themselves.
+            self._buffers[name] = value.to(device=self._buffers[name].device)
+        return result

@@ -1,0 +1,405 @@
+from __future__ import annotations
+
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.likelihoods import GaussianLikelihood
+from gpytorch.models import ApproximateGP
+from gpytorch.module import Module
+from gpytorch.utils.memoize import (
+    _add_to_cache_ignore_args,
+    _get_from_cache_ignore_args,
+    _is_in_cache_ignore_args,
+    cached,
+)
+from gpytorch.variational._variational_strategy import _VariationalStrategy
+from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator
+from torch import Tensor
+
+from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower
+from ._cache_safe_mixin import _CacheSafeMixin
+from ._input_checks import checked_inputs
+from ._kalman_state import _KalmanState
+from ._kalman_terms import (
+    ObservationTerms,
+    bound_term,
+    checked_approximation,
+    collapsed_bound_tail,
+    observation_terms,
+    symmetrized,
+)
+
+
+class KalmanVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
+    r"""
+    The recursive (Kalman-filter) sparse GP of `Schuerch et al. (2020)`_: the posterior of the inducing values
+    :math:`\mathbf u = f(\mathbf Z)` is computed in closed form, one mini-batch at a time, with :meth:`update`, for a
+    Gaussian likelihood and any of the sparse models of the PEP family (spec B.1). Each mini-batch :math:`k` is
+    observed through
+
+    .. math::
+
+        \mathbf y_k = \mathbf H_k\mathbf u + \boldsymbol\gamma_k + \boldsymbol\varepsilon_k,\qquad
+        \mathbf H_k = \mathbf K_{k\mathbf u}\mathbf K_{\mathbf{uu}}^{-1},\qquad
+        \boldsymbol\gamma_k + \boldsymbol\varepsilon_k \sim \mathcal N(\mathbf 0,
+        \mathbf V_k = \bar{\mathbf V}_k + \sigma^2\mathbf I),
+
+    with the model chosen by ``approximation`` (:math:`\boldsymbol\Delta_k = \mathbf K_{kk} - \mathbf Q_{kk}`,
+    :math:`\boldsymbol\delta_k` its diagonal; :math:`\rho_k` is subtracted from each bound term):
+
+    * ``"vfe"`` (Titsias' collapsed bound): :math:`\bar{\mathbf V}_k = \mathbf 0`, regularizer
+      :math:`\rho_k = \operatorname{tr}\boldsymbol\Delta_k / 2\sigma^2`;
+    * ``"dtc"``: :math:`\bar{\mathbf V}_k = \mathbf 0`, :math:`\rho_k = 0`;
+    * ``"fitc"``: :math:`\bar{\mathbf V}_k = \operatorname{Diag}(\boldsymbol\delta_k)`, :math:`\rho_k = 0`;
+    * ``"pitc"``: :math:`\bar{\mathbf V}_k = \boldsymbol\Delta_k` (the blocks are the mini-batches),
+      :math:`\rho_k = 0`;
+    * ``"pep"`` (power EP, :math:`0 < \alpha \le 1`): :math:`\bar{\mathbf V}_k = \alpha\operatorname{Diag}
+      (\boldsymbol\delta_k)`, :math:`\rho_k = \frac{1-\alpha}{2\alpha}\sum_{i\in\mathcal B_k}
+      \log(1+\alpha\delta_i/\sigma^2)`.
+
+    Every :meth:`update` returns the mini-batch's term of the recursive collapsed bound (spec B.2), computed from the
+    state *before* the mini-batch is absorbed,
+
+    .. math::
+
+        \psi_k = \log\mathcal N(\mathbf y_k - \mathbf H_k\mathbf m_{k-1} \mid \mathbf 0,
+        \mathbf H_k\mathbf S_{k-1}\mathbf H_k^\top + \mathbf V_k) - \rho_k,
+
+    and after all mini-batches, at fixed hyperparameters and in any order (for PITC: any order of the same blocks),
+    :attr:`recursive_bound` :math:`= \sum_k\psi_k` equals the model's batch bound (for VFE, Titsias' bound) and
+    :attr:`variational_distribution` equals its batch posterior :math:`q(\mathbf u) = \mathcal N(\mathbf m,\mathbf S)`
+    (spec eq. 14). Predictions, through the ordinary ``model(x)`` call, are (spec eq. 17)
+
+    .. math::
+
+        q(\mathbf f_*) = \mathcal N\big(\mu_0(\mathbf X_*) + \mathbf H_*\mathbf m,\;
+        \mathbf H_*\mathbf S\mathbf H_*^\top + \mathbf K_{**} - \mathbf Q_{**}\big),
+
+    and ``likelihood(model(x))`` adds :math:`\sigma^2`.
+
+    **State.** The state is kept in information form in the transformed coordinates
+    :math:`\tilde{\mathbf u} = \mathbf K_{\mathbf{uu}}^{-1}\mathbf u` of the paper's Sec. 3.2, where a mini-batch
+    only *adds* :math:`\Delta\tilde{\boldsymbol\eta}_k = \mathbf K_{\mathbf uk}\mathbf V_k^{-1}\mathbf y_k` and
+    :math:`\Delta\tilde{\boldsymbol\Lambda}_k = \mathbf K_{\mathbf uk}\mathbf V_k^{-1}\mathbf K_{k\mathbf u}` (no
+    inverse of :math:`\mathbf K_{\mathbf{uu}}` and no downdate anywhere), and the posterior is recovered with the
+    Cholesky factor of :math:`\mathbf A = \mathbf K_{\mathbf{uu}} + \sum_k\Delta\tilde{\boldsymbol\Lambda}_k`:
+    :math:`\mathbf m = \mathbf K_{\mathbf{uu}}\mathbf A^{-1}\tilde{\boldsymbol\eta}`,
+    :math:`\mathbf S = \mathbf K_{\mathbf{uu}}\mathbf A^{-1}\mathbf K_{\mathbf{uu}}`. Only the data's sums are
+    stored (float64 buffers, whatever the model's dtype, so a stream can be checkpointed with ``state_dict`` and
+    resumed exactly); the prior :math:`\mathbf K_{\mathbf{uu}}` is always the one at the current hyperparameters.
+    Each mini-batch's sums are those at the hyperparameters of the moment it was absorbed: after the
+    hyperparameters change, :meth:`reset` and a new pass give the exact posterior again. The strategy has no
+    trainable variational parameters at all.
+
+    Every factorization is a float64 Cholesky with escalating jitter. :meth:`update` validates its input and
+    computes everything before it changes the state, so a failed update leaves the model exactly as it was.
+
+    Hyperparameters and inducing inputs are learned by maximizing the collapsed bound: by stochastic recursive
+    gradient propagation, :class:`~gpytorch_decoupled.optim.RecursiveGradientPropagation` (the paper's SRGP), or with
+    the exact full-data gradient of :class:`~gpytorch_decoupled.optim.StreamingCollapsedBound`. ``kl_divergence``
+    is :math:`\mathrm{KL}(q(\mathbf u)\Vert p(\mathbf u))`, so :class:`~gpytorch.mlls.VariationalELBO` works too (at
+    the VFE posterior it equals Titsias' bound).
+
+    :param model: Model this strategy is applied to (typically the :class:`~gpytorch.models.ApproximateGP` itself).
+    :param inducing_points: Inducing inputs :math:`\mathbf Z`, ``(M, D)``, or ``(*batch, M, D)`` for a batch of
+        independent latent GPs (the kernel's batch shape must match it).
+    :param likelihood: The :class:`~gpytorch.likelihoods.GaussianLikelihood` whose noise :math:`\sigma^2` the
+        updates use (kept by reference: train it as usual, and move it with the model).
+    :param approximation: ``"vfe"`` (default), ``"dtc"``, ``"fitc"``, ``"pitc"`` or ``"pep"``.
+    :param alpha: The power :math:`0 < \alpha \le 1` of ``"pep"`` (1 is FITC, :math:`\alpha \to 0` VFE).
+    :param learn_inducing_locations: Make :math:`\mathbf Z` a parameter (default True).
+    :param jitter_val: Jitter added to the diagonal of :math:`\mathbf K_{\mathbf{uu}}`, part of the prior as in
+        GPyTorch's strategies (default: GPyTorch's variational jitter for the model's dtype, ``1e-4`` for float32
+        and ``1e-6`` for float64: the kernel matrices carry the rounding errors of that dtype).
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpytorch_decoupled.variational import KalmanVariationalStrategy
+        >>> class RecursiveGP(gpytorch.models.ApproximateGP):
+        ...     def __init__(self, inducing_points, likelihood):
+        ...         super().__init__(KalmanVariationalStrategy(self, inducing_points, likelihood, "fitc"))
+        ...         self.mean_module = gpytorch.means.ZeroMean()
+        ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        ...     def forward(self, x):
+        ...         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+        >>> likelihood = gpytorch.likelihoods.GaussianLikelihood()
+        >>> model = RecursiveGP(torch.linspace(-3, 3, 15).unsqueeze(-1), likelihood)
+        >>> x = torch.linspace(-3, 3, 400).unsqueeze(-1)
+        >>> y = torch.sin(2 * x.squeeze(-1)) + 0.1 * torch.randn(400)
+        >>> for x_batch, y_batch in zip(x.split(100), y.split(100)):  # a stream of mini-batches
+        ...     psi = model.variational_strategy.update(x_batch, y_batch)
+        >>> model.variational_strategy.num_observed
+        400
+        >>> model.eval()(x[:3]).variance.le(model(x[:3], prior=True).variance).all()
+        tensor(True)
+
+    .. _Schuerch et al. (2020):
+        https://arxiv.org/abs/1910.08393
+    """
+
+    def __init__(
+        self,
+        model: ApproximateGP,
+        inducing_points: Tensor,
+        likelihood: GaussianLikelihood,
+        approximation: str = "vfe",
+        alpha: float | None = None,
+        learn_inducing_locations: bool = True,
+        jitter_val: float | None = None,
+    ):
+        if not isinstance(likelihood, GaussianLikelihood):
+            raise TypeError(
+                "KalmanVariationalStrategy needs a gpytorch.likelihoods.GaussianLikelihood (its closed-form updates "
+                f"are for Gaussian noise sigma^2), got {type(likelihood).__name__}."
+            )
+        approximation, alpha = checked_approximation(approximation, alpha)
+        points = inducing_points.unsqueeze(-1) if inducing_points.dim() == 1 else inducing_points
+        if points.dim() < 2 or not torch.isfinite(points).all():
+            raise ValueError(f"inducing_points must be a finite (..., M, D) tensor, got shape {tuple(points.shape)}.")
+        state = _KalmanState(points.size(-2), batch_shape=points.shape[:-2])
+        super().__init__(model, points, state, learn_inducing_locations, jitter_val)
+        # Kept by reference, outside the module tree, like ``model``: the user trains and saves the likelihood.
+        object.__setattr__(self, "likelihood", likelihood)
+        self.approximation = approximation
+        self.alpha = alpha
+
+    # ------------------------------------------------------------------ state
+    @property
+    def recursive_bound(self) -> Tensor:
+        r""":math:`\sum_k\psi_k` over the mini-batches absorbed since the last :meth:`reset`, one value per latent."""
+        return self._variational_distribution.bound.to(self.inducing_points.dtype, copy=True)
+
+    @property
+    def num_observed(self) -> int:
+        """Number of data points absorbed since the last :meth:`reset`."""
+        return int(self._variational_distribution.num_observed)
+
+    def reset(self) -> None:
+        """Forgets all data: back to the prior (at the current hyperparameters)."""
+        self._variational_distribution.reset()
+        self._clear_cache()
+
+    @torch.no_grad()
+    def update(self, x: Tensor, y: Tensor) -> Tensor:
+        r"""
+        Absorbs one mini-batch in closed form (an information-filter update, spec B.3) and returns its bound term
+        :math:`\psi_k`, computed before the mini-batch is absorbed.
+
+        :param x: Inputs, ``(B, D)`` (or ``(*batch, B, D)``).
+        :param y: Targets, ``(B,)`` (or ``(*batch, B)``), same dtype and device as ``x``.
+        :return: :math:`\psi_k`, one value per latent (a scalar without batch), in the model's dtype.
+        :raises ValueError: On bad shapes, dtypes, devices or NaN/inf, before anything changes.
+        :raises ~linear_operator.utils.errors.NotPSDError: If a matrix is not positive definite even with the
+            maximum jitter; the state is then unchanged.
+        """
+        x, y = self._checked_data(x, y)
+        psi, terms = self._bound_term(x, y, *self._variational_distribution())
+        self._absorb(self._increments(terms, psi), x.size(-2))
+        return psi.to(self.inducing_points.dtype)
+
+    def _bound_term(
+        self, x: Tensor, y: Tensor, information_vector: Tensor, information_matrix: Tensor
+    ) -> tuple[Tensor, ObservationTerms]:
+        """:math:`\\psi_k` of a validated mini-batch after the given statistics, and the mini-batch's terms (float64,
+        differentiable in the hyperparameters and in the statistics outside ``torch.no_grad``)."""
+        terms, inducing_covariance = self._observation_terms(x, y)
+        return bound_term(inducing_covariance, information_vector, information_matrix, terms), terms
+
+    def _collapsed_bound_tail(self, information_vector: Tensor, information_matrix: Tensor) -> Tensor:
+        """The part of the batch bound that is not a sum over mini-batches, given all data's statistics."""
+        return collapsed_bound_tail(self._inducing_prior()[0], information_vector, information_matrix)
+
+    @staticmethod
+    def _increments(terms: ObservationTerms, psi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A mini-batch's detached increments of the state and its bound term, checked to be finite."""
+        increments = (terms.information_vector.detach(), symmetrized(terms.information_matrix.detach()), psi.detach())
+        if not all(torch.isfinite(increment).all() for increment in increments):
+            raise RuntimeError(
+                "the Kalman update produced NaN or inf (check the kernel hyperparameters and the noise); the state "
+                "was left unchanged."
+            )
+        return increments
+
+    def _absorb(self, increments: tuple[Tensor, Tensor, Tensor], count: int) -> None:
+        self._variational_distribution.absorb(*increments, count)
+        self.variational_params_initialized.fill_(1)
+        self._clear_cache()
+
+    def _checked_data(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        if not isinstance(x, Tensor) or not isinstance(y, Tensor):
+            raise TypeError(f"x and y must be tensors, got {type(x).__name__} and {type(y).__name__}.")
+        if x.dim() == 1:
+            x = x.unsqueeze(-1)
+        x = checked_inputs(x, self.inducing_points, self.model)
+        if y.dim() == 0 or y.size(-1) != x.size(-2):
+            raise ValueError(
+                f"y must have shape (..., {x.size(-2)}) to match x {tuple(x.shape)}, got {tuple(y.shape)}."
+            )
+        if x.size(-2) == 0:
+            raise ValueError("the mini-batch is empty.")
+        if y.dtype != x.dtype or y.device != x.device:
+            raise ValueError(f"y is {y.dtype} on {y.device} but x is {x.dtype} on {x.device}.")
+        if not torch.isfinite(y).all():
+            raise ValueError("y contains NaN or inf.")
+        latent_shape = self._variational_distribution.batch_shape
+        try:
+            batch_shape = torch.broadcast_shapes(x.shape[:-2], y.shape[:-1], latent_shape)
+        except RuntimeError:
+            batch_shape = None
+        if batch_shape != latent_shape:
+            raise ValueError(
+                f"x {tuple(x.shape)} and y {tuple(y.shape)} do not broadcast to the latent batch shape "
+                f"{tuple(latent_shape)} of the inducing points."
+            )
+        return x, y
+
+    # ------------------------------------------------------------------ prior blocks (float64)
+    def _noise(self) -> Tensor:
+        return self.likelihood.noise.double()[..., 0]
+
+    def _jittered(self, covariance: Tensor) -> Tensor:
+        eye = torch.eye(covariance.size(-1), dtype=covariance.dtype, device=covariance.device)
+        return covariance + self.jitter_val * eye
+
+    def _checked_batch(self, prior: MultivariateNormal, predictive: bool = False) -> None:
+        """The kernel must have the latents' batch shape; predictions may add batch dimensions of their inputs."""
+        latent_shape, prior_shape = self._variational_distribution.batch_shape, prior.batch_shape
+        trailing = prior_shape[len(prior_shape) - len(latent_shape) :] if predictive else prior_shape
+        if trailing != latent_shape:
+            raise ValueError(
+                f"the prior has batch shape {tuple(prior.batch_shape)} but the inducing points define latents of batch "
+                f"shape {tuple(latent_shape)}; give inducing points the shape (*batch, M, D) of the kernel's batch."
+            )
+
+    def _joint_prior(self, x: Tensor, **kwargs) -> tuple[MultivariateNormal, int]:
+        inducing_points = self.inducing_points
+        batch_shape = torch.broadcast_shapes(inducing_points.shape[:-2], x.shape[:-2])
+        inducing_points = inducing_points.expand(*batch_shape, *inducing_points.shape[-2:])
+        x = x.expand(*batch_shape, *x.shape[-2:])
+        joint = self.model.forward(torch.cat([inducing_points, x], dim=-2), **kwargs)
+        self._checked_batch(joint)
+        return joint, inducing_points.size(-2)
+
+    def _inducing_prior(self) -> tuple[Tensor, Tensor]:
+        """Float64 jittered :math:`\\mathbf K_{\\mathbf{uu}}` and prior mean :math:`\\mu_0(\\mathbf Z)`."""
+        prior = self.model.forward(self.inducing_points)
+        self._checked_batch(prior)
+        return self._jittered(prior.lazy_covariance_matrix.to_dense().double()), prior.mean.double()
+
+    def _observation_terms(self, x: Tensor, y: Tensor) -> tuple[ObservationTerms, Tensor]:
+        """A validated mini-batch's :class:`ObservationTerms` and the jittered float64
+        :math:`\\mathbf K_{\\mathbf{uu}}`, differentiable in the hyperparameters outside ``torch.no_grad``."""
+        joint, num_inducing = self._joint_prior(x)
+        covariance = joint.lazy_covariance_matrix
+        inducing_covariance = self._jittered(covariance[..., :num_inducing, :num_inducing].to_dense().double())
+        cross_covariance = covariance[..., :num_inducing, num_inducing:].to_dense().double()
+        data_block = covariance[..., num_inducing:, num_inducing:]
+        if self.approximation == "pitc":
+            data_covariance = data_block.to_dense().double()
+        else:
+            data_covariance = data_block.diagonal(dim1=-2, dim2=-1).double()
+        residual = y.double() - joint.mean[..., num_inducing:].double()
+        terms = observation_terms(
+            self.approximation,
+            self.alpha,
+            jittered_cholesky(inducing_covariance, name="K_uu"),
+            cross_covariance,
+            data_covariance,
+            residual,
+            self._noise(),
+        )
+        return terms, inducing_covariance
+
+    def _posterior_factors(self, inducing_covariance: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        r"""Float64 :math:`\mathbf L_{\mathbf{uu}}`, :math:`\mathbf L_A` (:math:`\mathbf A = \mathbf K_{\mathbf{uu}} +
+        \tilde{\boldsymbol\Lambda}`) and :math:`\mathbf A^{-1}\tilde{\boldsymbol\eta}`; cached in eval mode."""
+        if not self.training and _is_in_cache_ignore_args(self, "kalman_posterior_factors"):
+            factors = _get_from_cache_ignore_args(self, "kalman_posterior_factors")
+            # Inputs with extra batch dimensions give expanded factors: those are not reused for other shapes.
+            if factors[0].shape == inducing_covariance.shape:
+                return factors
+        information_vector, information_matrix = self._variational_distribution()
+        prior_cholesky = jittered_cholesky(inducing_covariance, name="K_uu")
+        cholesky = jittered_cholesky(inducing_covariance + information_matrix, name="Kalman precision K_uu + Lambda")
+        coefficients = cholesky_solve(cholesky, information_vector.unsqueeze(-1)).squeeze(-1)
+        factors = (prior_cholesky, cholesky, coefficients)
+        if not self.training:
+            _add_to_cache_ignore_args(self, "kalman_posterior_factors", factors)
+        return factors
+
+    # ------------------------------------------------------------------ GPyTorch interface
+    @property
+    @cached(name="prior_distribution_memo")
+    def prior_distribution(self) -> MultivariateNormal:
+        r"""The prior :math:`p(\mathbf u) = \mathcal N(\mu_0(\mathbf Z), \mathbf K_{\mathbf{uu}})` (with jitter)."""
+        inducing_covariance, prior_mean = self._inducing_prior()
+        dtype = self.inducing_points.dtype
+        return MultivariateNormal(prior_mean.to(dtype), inducing_covariance.to(dtype))
+
+    @property
+    def variational_distribution(self) -> MultivariateNormal:
+        r"""The current posterior :math:`q(\mathbf u) = \mathcal N(\mu_0(\mathbf Z) + \mathbf m, \mathbf S)` of the
+        inducing values (u-space, at the current hyperparameters)."""
+        inducing_covariance, prior_mean = self._inducing_prior()
+        _, cholesky, coefficients = self._posterior_factors(inducing_covariance)
+        mean = prior_mean + (inducing_covariance @ coefficients.unsqueeze(-1)).squeeze(-1)
+        root = solve_lower(cholesky, inducing_covariance)
+        dtype = self.inducing_points.dtype
+        return MultivariateNormal(mean.to(dtype), symmetrized(root.mT @ root).to(dtype))
+
+    def kl_divergence(self) -> Tensor:
+        r"""
+        :math:`\mathrm{KL}(\mathcal N(\mathbf m, \mathbf S) \Vert \mathcal N(\mathbf 0, \mathbf K_{\mathbf{uu}}))
+        = \tfrac12[\operatorname{tr}(\mathbf A^{-1}\mathbf K_{\mathbf{uu}}) - M + \tilde{\boldsymbol\eta}^\top
+        \mathbf A^{-1}\mathbf K_{\mathbf{uu}}\mathbf A^{-1}\tilde{\boldsymbol\eta} + \log\lvert\mathbf A\rvert
+        - \log\lvert\mathbf K_{\mathbf{uu}}\rvert]`, differentiable in the hyperparameters at fixed statistics.
+        """
+        inducing_covariance, _ = self._inducing_prior()
+        prior_cholesky, cholesky, coefficients = self._posterior_factors(inducing_covariance)
+        trace = solve_lower(cholesky, prior_cholesky).square().sum((-2, -1))
+        quadratic = (prior_cholesky.mT @ coefficients.unsqueeze(-1)).square().sum((-2, -1))
+        log_det_ratio = cholesky_logdet(cholesky) - cholesky_logdet(prior_cholesky)
+        kl = 0.5 * (trace - coefficients.size(-1) + quadratic + log_det_ratio)
+        return kl.to(self.inducing_points.dtype)
+
+    def forward(
+        self,
+        x: Tensor,
+        inducing_points: Tensor,
+        inducing_values: Tensor | None = None,
+        variational_inducing_covar=None,
+        diag: bool = True,
+        **kwargs,
+    ) -> MultivariateNormal:
+        num_inducing = inducing_points.size(-2)
+        joint = self.model.forward(torch.cat([inducing_points, x], dim=-2), **kwargs)
+        self._checked_batch(joint, predictive=True)
+        covariance = joint.lazy_covariance_matrix
+        inducing_covariance = self._jittered(covariance[..., :num_inducing, :num_inducing].to_dense().double())
+        cross_covariance = covariance[..., :num_inducing, num_inducing:].to_dense().double()
+        data_covariance = covariance[..., num_inducing:, num_inducing:]
+
+        prior_cholesky, cholesky, coefficients = self._posterior_factors(inducing_covariance)
+        dtype = x.dtype
+        mean = joint.mean[..., num_inducing:] + (cross_covariance.mT @ coefficients.unsqueeze(-1)).squeeze(-1).to(dtype)
+        # Cov = K_xx - K_xu K_uu^{-1} K_ux + K_xu A^{-1} K_ux = K_xx - P^T P + R^T R
+        prior_root = solve_lower(prior_cholesky, cross_covariance)
+        posterior_root = solve_lower(cholesky, cross_covariance)
+        if diag and self.training:
+            correction = posterior_root.square().sum(-2) - prior_root.square().sum(-2)
+            variance = data_covariance.diagonal(dim1=-2, dim2=-1) + correction.to(dtype)
+            return MultivariateNormal(mean, DiagLinearOperator(variance))
+        left = torch.cat([posterior_root, prior_root.neg()], dim=-2).mT.to(dtype)
+        right = torch.cat([posterior_root, prior_root], dim=-2).to(dtype)
+        return MultivariateNormal(mean, data_covariance + MatmulLinearOperator(left, right))
+
+    def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
+        x = checked_inputs(x, self.inducing_points, self.model)
+        if prior:
+            return self.model.forward(x, **kwargs)
+        if self.training:
+            self._clear_cache()
+        self.variational_params_initialized.fill_(1)
+        inducing_points = self.inducing_points
+        if inducing_points.shape[:-2] != x.shape[:-2]:
+            x, inducing_points = self._expand_inputs(x, inducing_points)
+        return Module.__call__(self, x, inducing_points, diag=diag, **kwargs)
