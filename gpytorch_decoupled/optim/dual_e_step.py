@@ -9,6 +9,7 @@ from gpytorch.variational import IndependentMultitaskVariationalStrategy
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
+from ..linalg import solve_lower_transpose
 from ..variational import DualSiteStatistics, DualVariationalStrategy
 from ..variational._input_checks import checked_inputs
 
@@ -178,28 +179,44 @@ class DualEStep(torch.optim.Optimizer):
             )
         else:
             scale = lr * self.num_data / x.size(0)
-            projections = statistics.projections
-            new_mean = (1 - lr) * site_mean + scale * (projections @ first_target.unsqueeze(-1)).squeeze(-1)
-            new_precision = (1 - lr) * site_precision + scale * _weighted_gram(projections, second_target)
-            self._check_positive_definite(lr, scale, statistics.whitened_cross, second_target)
+            mean_increment, precision_increment = self._site_increments(
+                statistics, first_target, second_target, lr, scale
+            )
+            new_mean = (1 - lr) * site_mean + scale * mean_increment
+            new_precision = (1 - lr) * site_precision + scale * precision_increment
         site_mean.copy_(new_mean)
         site_precision.copy_(new_precision)
         self.strategy._clear_cache()
 
-    def _check_positive_definite(self, lr: float, scale: float, whitened_cross: Tensor, second_target: Tensor) -> None:
+    @staticmethod
+    def _site_increments(
+        statistics: DualSiteStatistics, first_target: Tensor, second_target: Tensor, lr: float, scale: float
+    ) -> tuple[Tensor, Tensor]:
         r"""
-        :math:`q` exists only while :math:`\mathbf H = \mathbf I + \mathbf L_K^\top\mathbf L_2\mathbf L_K \succ 0`.
-        At the step's hyperparameters its update is :math:`(1 - r)\mathbf P + r s\mathbf W\mathbf G\mathbf W^\top`
-        in whitened coordinates, so checking costs :math:`O(BM^2)` plus one float64 factorization.
+        :math:`\sum_i\mathbf a_i g_{1,i}` and :math:`\sum_i g_{2,i}\mathbf a_i\mathbf a_i^\top` with
+        :math:`\mathbf a_i = \mathbf L_K^{-\top}\mathbf w_i`, after checking that the step keeps :math:`q` positive
+        definite. The whitened sum :math:`\mathbf W\mathbf G\mathbf W^\top` is needed for the check anyway, so
+        when :math:`B \ge M` it is mapped back with two :math:`M \times M` triangular solves (:math:`O(M^3)`) instead
+        of forming the projections (:math:`O(BM^2)` twice).
         """
-        previous = self.strategy.posterior_factors().whitened_site_precision
-        inner = (1 - lr) * previous.double() + scale * _weighted_gram(whitened_cross.double(), second_target.double())
+        prior_chol, whitened_cross = statistics.prior_cholesky, statistics.whitened_cross
+        whitened_gram = _weighted_gram(whitened_cross, second_target)
+        # q exists only while H = I + L_K^T L_2 L_K stays positive definite; at the step's hyperparameters its update
+        # is (1 - r) P + r s W G W^T in whitened coordinates. L_2 is PSD by construction up to rounding.
+        inner = (1 - lr) * statistics.whitened_site_precision.double() + scale * whitened_gram.double()
         inner.diagonal(dim1=-2, dim2=-1).add_(1.0)
         if torch.linalg.cholesky_ex(inner).info.any():
             raise RuntimeError(
                 "the E-step produced site precisions with which q(u) is not positive definite; the sites were not "
                 "changed."
             )
+        mean_increment = solve_lower_transpose(prior_chol, whitened_cross @ first_target.unsqueeze(-1)).squeeze(-1)
+        if whitened_cross.size(-1) >= whitened_cross.size(-2):
+            half = solve_lower_transpose(prior_chol, whitened_gram)  # L_K^-T W G W^T
+            precision_increment = solve_lower_transpose(prior_chol, half.mT).mT
+            return mean_increment, 0.5 * (precision_increment + precision_increment.mT)
+        projections = solve_lower_transpose(prior_chol, whitened_cross)
+        return mean_increment, _weighted_gram(projections, second_target)
 
 
 def _weighted_gram(columns: Tensor, weights: Tensor) -> Tensor:

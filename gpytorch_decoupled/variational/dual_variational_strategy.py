@@ -16,7 +16,7 @@ from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator, RootLinearOperator
 from torch import Tensor
 
-from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower, solve_lower_transpose
+from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower
 from ._cache_safe_mixin import _CacheSafeMixin
 from ._input_checks import checked_inputs
 from .dual_variational_distribution import DualVariationalDistribution
@@ -41,8 +41,9 @@ class DualSiteStatistics(NamedTuple):
     prior_mean: Tensor  # m_0(x), (..., B)
     centred_mean: Tensor  # mu_i - m_0(x_i), (..., B)
     variance: Tensor  # v_i, (..., B)
-    whitened_cross: Tensor  # W = L_K^{-1} K_ux, (..., M, B)
-    projections: Tensor  # a_i = K_uu^{-1} k_ui = L_K^{-T} w_i as columns, (..., M, B)
+    prior_cholesky: Tensor  # L_K, (..., M, M)
+    whitened_site_precision: Tensor  # P = L_K^T L_2 L_K, (..., M, M)
+    whitened_cross: Tensor  # W = L_K^{-1} K_ux, (..., M, B); the projections are a_i = K_uu^{-1} k_ui = L_K^{-T} w_i
 
 
 class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
@@ -284,9 +285,11 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
     @torch.no_grad()
     def site_statistics(self, x: Tensor) -> DualSiteStatistics:
         r"""
-        The marginals :math:`q(f_i) = \mathcal N(\mu_i, v_i)` at a mini-batch and the projections
-        :math:`\mathbf a_i = \mathbf K_{\mathbf{uu}}^{-1}\mathbf k_{\mathbf u i}`, without an autograd graph: what the
-        E-step (:class:`~gpytorch_decoupled.optim.DualEStep`) needs. :math:`O(BM^2 + M^3)`.
+        The marginals :math:`q(f_i) = \mathcal N(\mu_i, v_i)` at a mini-batch and the whitened cross-covariance
+        :math:`\mathbf W = \mathbf L_K^{-1}\mathbf K_{\mathbf u\mathbf x}` (the projections are
+        :math:`\mathbf a_i = \mathbf K_{\mathbf{uu}}^{-1}\mathbf k_{\mathbf u i} = \mathbf L_K^{-\top}\mathbf w_i`),
+        without an autograd graph: what the E-step (:class:`~gpytorch_decoupled.optim.DualEStep`) needs.
+        :math:`O(BM^2 + M^3)`.
 
         :param x: Mini-batch inputs, ``(B, D)``.
         """
@@ -301,8 +304,9 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
             prior_mean.expand(*batch_shape, -1),
             centred_mean.expand(*batch_shape, -1),
             variance.expand(*batch_shape, -1),
+            factors.prior_cholesky,
+            factors.whitened_site_precision,
             whitened_cross,
-            solve_lower_transpose(factors.prior_cholesky, whitened_cross),
         )
 
     def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
