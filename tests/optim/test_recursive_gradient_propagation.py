@@ -1,11 +1,13 @@
 """RecursiveGradientPropagation (SRGP, spec B.3): Proposition 1 (S7), the naive gradient (S8), an epoch at learning
 rate 0 and the propagated Jacobians against finite differences (S9), the cheaper propagation variants and their exact
-difference from the full one, errors, and a few epochs on a real data set.
+difference from the full one, the structured Jacobians of the inducing inputs (VFE, DTC) against the dense ones, the
+memory they take, errors, and a few epochs on a real data set.
 
 Observed (this machine, float64, 2-D SE-ARD, constant mean, learned inducing inputs and noise, P = 25): the summed
 gradients of an epoch match autograd through the dense batch bound to <= 3.3e-14 relative to the largest gradient
-(which is 7-800 across the models), the epoch's bound matches to <= 4e-15 relative, and the Jacobians match central
-differences (step 1e-6) to <= 1.2e-9 relative.
+(which is 7-800 across the models; VFE and DTC, structured: 8e-15 and 1.9e-14), the epoch's bound matches to <= 4e-15
+relative, and the Jacobians match central differences (step 1e-6) to <= 1.1e-9 relative (VFE, structured: 7e-10).
+The structured propagation gives the dense one's gradients and Jacobians to <= 5e-16 relative.
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ import torch
 from gpytorch_decoupled import datasets
 from gpytorch_decoupled.optim import RecursiveGradientPropagation
 from gpytorch_decoupled.optim import recursive_gradient_propagation as srgp_module
-from tests.recursive_problems import F64, MODELS, blocks_of, make_model, oracle_bound, problem, stream
+from tests.recursive_problems import (
+    F64,
+    MODELS,
+    RecursiveGP,
+    blocks_of,
+    make_model,
+    oracle_bound,
+    problem,
+    stream,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -28,10 +39,10 @@ def _parameters(model, likelihood):
     return [*model.parameters(), *likelihood.parameters()]
 
 
-def _epoch_at_zero_learning_rate(model, likelihood, X, y, blocks, **kwargs):
+def _epoch_at_zero_learning_rate(model, likelihood, X, y, blocks, _srgp=None, **kwargs):
     """One SRGP epoch with a learning rate of 0: the summed gradients of -(-psi_k), the summed psi_k, the SRGP."""
     parameters = _parameters(model, likelihood)
-    srgp = RecursiveGradientPropagation(model, likelihood, torch.optim.SGD(parameters, lr=0.0), **kwargs)
+    srgp = _srgp or RecursiveGradientPropagation(model, likelihood, torch.optim.SGD(parameters, lr=0.0), **kwargs)
     srgp.start_epoch()
     totals = [torch.zeros_like(parameter) for parameter in parameters]
     psi = 0.0
@@ -60,7 +71,9 @@ def test_s7_epoch_gradients_sum_to_the_batch_gradient(approximation, alpha):
     bound = oracle_bound(model, likelihood, X, y, blocks)
     expected = torch.autograd.grad(bound, _parameters(model, likelihood))
     bound = bound.detach()
-    totals, psi, _ = _epoch_at_zero_learning_rate(model, likelihood, X, y, blocks)
+    totals, psi, srgp = _epoch_at_zero_learning_rate(model, likelihood, X, y, blocks)
+    # VFE and DTC take the structured path for the inducing inputs, the other models the dense one.
+    assert (srgp._inducing_jacobians is not None) == (approximation in ("vfe", "dtc"))
     assert _relative_error(totals, expected) < 1e-10
     # S9, first half: the epoch's cumulative bound is the batch bound.
     assert abs(psi - float(bound)) < 1e-10 * abs(float(bound))
@@ -139,13 +152,100 @@ def test_s8_and_the_cheaper_variants():
     assert naive_srgp.jacobian_bytes == 0
 
 
-def test_chunked_directions_are_exact():
-    model, likelihood, X, y, _ = _spec_problem("pitc")
+@pytest.mark.parametrize("approximation", ["pitc", "vfe"])
+def test_chunked_directions_are_exact(approximation):
+    # VFE: the structured inducing inputs are chunked over their input dimensions (D = 2) too.
+    model, likelihood, X, y, _ = _spec_problem(approximation)
     blocks = blocks_of(60, 20)
     default, _, _ = _epoch_at_zero_learning_rate(model, likelihood, X, y, blocks)
     for chunk_size in (1, 6):
         chunked, _, _ = _epoch_at_zero_learning_rate(model, likelihood, X, y, blocks, chunk_size=chunk_size)
         assert _relative_error(chunked, default) < 1e-13
+
+
+def _dense_epoch(model, likelihood, X, y, blocks, **kwargs):
+    """An epoch as in :func:`_epoch_at_zero_learning_rate`, with the inducing inputs' Jacobians propagated densely."""
+    parameters = _parameters(model, likelihood)
+    srgp = RecursiveGradientPropagation(model, likelihood, torch.optim.SGD(parameters, lr=0.0), **kwargs)
+    srgp._structure_allowed = False
+    return _epoch_at_zero_learning_rate(model, likelihood, X, y, blocks, _srgp=srgp)
+
+
+@pytest.mark.parametrize("approximation,latents", [("vfe", 0), ("dtc", 0), ("vfe", 2)])
+def test_structured_inducing_jacobians_equal_the_dense_ones(approximation, latents):
+    # VFE and DTC (V_k = sigma^2 I): with "full", the Jacobians of the inducing inputs are propagated in their
+    # rank-2 structure, and give the dense propagation's gradients and Jacobians.
+    if latents:
+        X, y, Z = problem(dims=2)
+        model, likelihood = make_model(torch.stack([Z, Z + 0.1]), approximation, constant_mean=True)
+        y = torch.stack([y, 0.5 * y])
+        blocks = blocks_of(60, 12)
+    else:
+        model, likelihood, X, y, blocks = _spec_problem(approximation)
+    structured, psi, srgp = _epoch_at_zero_learning_rate(model, likelihood, X, y, blocks)
+    assert srgp._inducing_jacobians is not None and srgp._structure_verified
+    dense, dense_psi, dense_srgp = _dense_epoch(model, likelihood, X, y, blocks)
+    assert dense_srgp._inducing_jacobians is None and srgp.num_propagated == dense_srgp.num_propagated
+    assert _relative_error(structured, dense) < 1e-10
+    assert abs(psi - dense_psi) < 1e-12 * abs(dense_psi)
+    for actual, expected in zip(srgp.information_jacobians(), dense_srgp.information_jacobians(), strict=True):
+        assert actual.shape == expected.shape
+        assert float((actual - expected).abs().max()) < 1e-10 * float(expected.abs().max())
+    # The batch gradient (S7) for latents, as test_batch_of_latents does for FITC.
+    expected = torch.autograd.grad(oracle_bound(model, likelihood, X, y, blocks), _parameters(model, likelihood))
+    assert _relative_error(structured, expected) < 1e-10
+
+
+@pytest.mark.parametrize("approximation,alpha", [("fitc", None), ("pitc", None), ("pep", 0.5)])
+def test_dense_inducing_jacobians_where_the_noise_depends_on_them(approximation, alpha):
+    model, likelihood, X, y, blocks = _spec_problem(approximation, alpha)
+    _, _, srgp = _epoch_at_zero_learning_rate(model, likelihood, X, y, blocks[:2])
+    assert srgp._inducing_jacobians is None
+
+
+@pytest.mark.parametrize("latents", [0, 3])
+def test_jacobian_memory(latents):
+    # float64 floats per latent: dense, J_eta and the packed triangle of J_Lambda per propagated scalar; structured
+    # (VFE, DTC, "full"), M * D * (M + 1) for the inducing inputs (M = 10, D = 2 here) on top of P - M D dense columns.
+    X, y, Z = problem(dims=2)
+    Z = Z.expand(latents, *Z.shape).clone() if latents else Z
+    count = max(latents, 1)
+    expected = {}
+    dense_per_parameter = 8 * count * (10 + 10 * 11 // 2)
+    hyperparameters = 4 * count + 1  # two lengthscales, the outputscale and the mean per latent, the noise
+    expected["full", "fitc"] = dense_per_parameter * (hyperparameters + count * 20)
+    expected["full", "vfe"] = dense_per_parameter * hyperparameters + 8 * count * 10 * 2 * 11
+    expected["hyperparameters", "vfe"] = dense_per_parameter * hyperparameters
+    expected["none", "vfe"] = 0
+    for (propagate, approximation), size in expected.items():
+        model, likelihood = make_model(Z, approximation, constant_mean=True)
+        optimizer = torch.optim.SGD(_parameters(model, likelihood), lr=0.0)
+        srgp = RecursiveGradientPropagation(model, likelihood, optimizer, propagate=propagate)
+        assert srgp.jacobian_bytes == 0
+        srgp.start_epoch()
+        assert srgp.jacobian_bytes == size, (propagate, approximation)
+        srgp.step(X[:12], y[..., :12] if not latents else y[:12].expand(latents, 12))
+        assert srgp.jacobian_bytes == size, (propagate, approximation)
+
+
+class _ScaledInputsGP(RecursiveGP):
+    """Standardizes its inputs jointly (inducing and data inputs together): the kernel matrix is no longer pointwise,
+    so K_uk depends on every inducing input."""
+
+    def forward(self, x):
+        return super().forward(x / x.std(dim=-2, keepdim=True))
+
+
+def test_structure_check_falls_back_to_dense_jacobians():
+    X, y, Z = problem(dims=2)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    model = _ScaledInputsGP(Z, likelihood, "vfe", constant_mean=True).double()
+    blocks = blocks_of(60, 12)
+    with pytest.warns(RuntimeWarning, match="structure"):
+        totals, psi, srgp = _epoch_at_zero_learning_rate(model, likelihood, X, y, blocks)
+    assert srgp._inducing_jacobians is None and not srgp._structure_allowed
+    dense, dense_psi, _ = _dense_epoch(model, likelihood, X, y, blocks)
+    assert _relative_error(totals, dense) < 1e-12 and psi == pytest.approx(dense_psi, rel=1e-13)
 
 
 def test_batch_of_latents():
