@@ -9,8 +9,8 @@ from gpytorch.variational import IndependentMultitaskVariationalStrategy
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from ..linalg import solve_lower_transpose
-from ..variational import DualSiteStatistics, DualVariationalStrategy
+from ..linalg import cholesky_solve, solve_lower_transpose
+from ..variational import DualPosteriorFactors, DualSiteStatistics, DualVariationalStrategy
 from ..variational._input_checks import checked_inputs
 
 
@@ -118,11 +118,32 @@ class DualEStep(torch.optim.Optimizer):
         self.num_data = num_data
         self.min_curvature = min_curvature
         self.num_likelihood_samples = num_likelihood_samples
+        # The factors of q after the last step and the model state they belong to (see _reusable_factors).
+        self._last_factors: tuple[dict[str, Tensor], DualPosteriorFactors] | None = None
         super().__init__(list(strategy._variational_distribution()), {"lr": lr})
+
+    def _reusable_factors(self) -> DualPosteriorFactors | None:
+        r"""
+        The factors of :math:`q` that the last step computed for its new sites, if nothing in the model
+        (hyperparameters, inducing inputs, sites, jitter) has changed since: consecutive E-steps then skip the
+        :math:`O(M^3)` refactorization of :math:`\mathbf K_{\mathbf{uu}}` and :math:`\mathbf H` (Algorithm 2 takes
+        several E-steps per M-step). The comparison is exact, over the whole ``state_dict``, so any change made in
+        between (an optimizer step, ``load_state_dict``, a manual assignment) falls back to a fresh computation.
+        """
+        if self._last_factors is None:
+            return None
+        state, factors = self._last_factors
+        return factors if _same_state(state, self._model_state()) else None
+
+    def _model_state(self) -> dict[str, Tensor]:
+        state = dict(self.strategy.model.state_dict(keep_vars=True))
+        state["jitter"] = torch.tensor(self.strategy.jitter_val)
+        return state
 
     def _targets(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, DualSiteStatistics]:
         r"""The natural-gradient targets :math:`g_1, g_2` per latent, ``(..., B)``, and the batch's statistics."""
-        statistics = self.strategy.site_statistics(x)
+        reusable = None if self.strategy._variational_distribution.per_datum else self._reusable_factors()
+        statistics = self.strategy.site_statistics(x, reusable)
         mean = (statistics.prior_mean + statistics.centred_mean).requires_grad_(True)
         variance = statistics.variance.clone().requires_grad_(True)
         with torch.enable_grad():
@@ -169,6 +190,7 @@ class DualEStep(torch.optim.Optimizer):
             checked_inputs(x, self.strategy.inducing_points, self.strategy.model)
             if not torch.equal(distribution.datum_inputs[indices], x):
                 raise ValueError("x is not datum_inputs[indices]; the sites were not changed.")
+        self._last_factors = None
         first_target, second_target, statistics = self._targets(x, y)
         lr = self.param_groups[0]["lr"]
         site_mean, site_precision = distribution()
@@ -179,7 +201,7 @@ class DualEStep(torch.optim.Optimizer):
             )
         else:
             scale = lr * self.num_data / x.size(0)
-            mean_increment, precision_increment = self._site_increments(
+            mean_increment, precision_increment, new_factors = self._site_increments(
                 statistics, first_target, second_target, lr, scale
             )
             new_mean = (1 - lr) * site_mean + scale * mean_increment
@@ -187,36 +209,56 @@ class DualEStep(torch.optim.Optimizer):
         site_mean.copy_(new_mean)
         site_precision.copy_(new_precision)
         self.strategy._clear_cache()
+        if not distribution.per_datum:
+            state = {name: value.detach().clone() for name, value in self._model_state().items()}
+            self._last_factors = (state, new_factors)
 
     @staticmethod
     def _site_increments(
         statistics: DualSiteStatistics, first_target: Tensor, second_target: Tensor, lr: float, scale: float
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, DualPosteriorFactors]:
         r"""
         :math:`\sum_i\mathbf a_i g_{1,i}` and :math:`\sum_i g_{2,i}\mathbf a_i\mathbf a_i^\top` with
-        :math:`\mathbf a_i = \mathbf L_K^{-\top}\mathbf w_i`, after checking that the step keeps :math:`q` positive
-        definite. The whitened sum :math:`\mathbf W\mathbf G\mathbf W^\top` is needed for the check anyway, so
-        when :math:`B \ge M` it is mapped back with two :math:`M \times M` triangular solves (:math:`O(M^3)`) instead
+        :math:`\mathbf a_i = \mathbf L_K^{-\top}\mathbf w_i`, and the factors of the new :math:`q`, after checking that
+        the step keeps :math:`q` positive definite. In whitened coordinates the step is
+        :math:`\mathbf h \leftarrow (1-r)\mathbf h + rs\mathbf W\mathbf g_1` and
+        :math:`\mathbf P \leftarrow (1-r)\mathbf P + rs\mathbf W\mathbf G\mathbf W^\top`; when :math:`B \ge M` the
+        whitened sum is mapped back to u-space with two :math:`M \times M` triangular solves (:math:`O(M^3)`) instead
         of forming the projections (:math:`O(BM^2)` twice).
         """
-        prior_chol, whitened_cross = statistics.prior_cholesky, statistics.whitened_cross
+        factors, whitened_cross = statistics.factors, statistics.whitened_cross
+        prior_chol = factors.prior_cholesky
         whitened_gram = _weighted_gram(whitened_cross, second_target)
-        # q exists only while H = I + L_K^T L_2 L_K stays positive definite; at the step's hyperparameters its update
-        # is (1 - r) P + r s W G W^T in whitened coordinates. L_2 is PSD by construction up to rounding.
-        inner = (1 - lr) * statistics.whitened_site_precision.double() + scale * whitened_gram.double()
+        whitened_mean_sum = (whitened_cross @ first_target.unsqueeze(-1)).squeeze(-1)
+        # q exists only while H = I + P stays positive definite (P is PSD by construction, up to rounding).
+        precision = (1 - lr) * factors.whitened_site_precision + scale * whitened_gram
+        inner = precision.double()
         inner.diagonal(dim1=-2, dim2=-1).add_(1.0)
-        if torch.linalg.cholesky_ex(inner).info.any():
+        inner_chol, info = torch.linalg.cholesky_ex(inner)
+        if info.any():
             raise RuntimeError(
                 "the E-step produced site precisions with which q(u) is not positive definite; the sites were not "
                 "changed."
             )
-        mean_increment = solve_lower_transpose(prior_chol, whitened_cross @ first_target.unsqueeze(-1)).squeeze(-1)
+        inner_chol = inner_chol.to(precision.dtype)
+        site_mean = (1 - lr) * factors.whitened_site_mean + scale * whitened_mean_sum
+        whitened_mean = cholesky_solve(inner_chol, site_mean.unsqueeze(-1)).squeeze(-1)
+        new_factors = DualPosteriorFactors(prior_chol, precision, inner_chol, site_mean, whitened_mean)
+
+        mean_increment = solve_lower_transpose(prior_chol, whitened_mean_sum.unsqueeze(-1)).squeeze(-1)
         if whitened_cross.size(-1) >= whitened_cross.size(-2):
             half = solve_lower_transpose(prior_chol, whitened_gram)  # L_K^-T W G W^T
             precision_increment = solve_lower_transpose(prior_chol, half.mT).mT
-            return mean_increment, 0.5 * (precision_increment + precision_increment.mT)
+            return mean_increment, 0.5 * (precision_increment + precision_increment.mT), new_factors
         projections = solve_lower_transpose(prior_chol, whitened_cross)
-        return mean_increment, _weighted_gram(projections, second_target)
+        return mean_increment, _weighted_gram(projections, second_target), new_factors
+
+
+def _same_state(first: dict[str, Tensor], second: dict[str, Tensor]) -> bool:
+    return first.keys() == second.keys() and all(
+        value.dtype == second[name].dtype and value.device == second[name].device and torch.equal(value, second[name])
+        for name, value in first.items()
+    )
 
 
 def _weighted_gram(columns: Tensor, weights: Tensor) -> Tensor:

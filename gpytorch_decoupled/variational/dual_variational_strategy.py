@@ -41,9 +41,8 @@ class DualSiteStatistics(NamedTuple):
     prior_mean: Tensor  # m_0(x), (..., B)
     centred_mean: Tensor  # mu_i - m_0(x_i), (..., B)
     variance: Tensor  # v_i, (..., B)
-    prior_cholesky: Tensor  # L_K, (..., M, M)
-    whitened_site_precision: Tensor  # P = L_K^T L_2 L_K, (..., M, M)
     whitened_cross: Tensor  # W = L_K^{-1} K_ux, (..., M, B); the projections are a_i = K_uu^{-1} k_ui = L_K^{-T} w_i
+    factors: DualPosteriorFactors  # q(u) before the step
 
 
 class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
@@ -248,7 +247,9 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
             covariance[..., num_inducing:, num_inducing:],
         )
 
-    def _marginals(self, x: Tensor) -> tuple[DualPosteriorFactors, Tensor, Tensor, Tensor, Tensor]:
+    def _marginals(
+        self, x: Tensor, factors: DualPosteriorFactors | None = None
+    ) -> tuple[DualPosteriorFactors, Tensor, Tensor, Tensor, Tensor]:
         r"""
         The factors of :math:`q`, the prior mean and lazy covariance at :math:`\mathbf x`,
         :math:`\mathbf W = \mathbf L_K^{-1}\mathbf K_{\mathbf u\mathbf x}` and :math:`\mathbf L_H^{-1}\mathbf W`,
@@ -257,7 +258,8 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
         + (\mathbf L_H^{-1}\mathbf W)^\top\mathbf L_H^{-1}\mathbf W`.
         """
         prior_mean, prior_covariance, cross, data_covariance = self._joint_prior(x)
-        factors = self.posterior_factors(prior_covariance)
+        if factors is None:
+            factors = self.posterior_factors(prior_covariance)
         whitened_cross = solve_lower(factors.prior_cholesky, cross)
         return factors, prior_mean, data_covariance, whitened_cross, solve_lower(factors.inner_cholesky, whitened_cross)
 
@@ -283,7 +285,7 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
         return MultivariateNormal(mean, covariance)
 
     @torch.no_grad()
-    def site_statistics(self, x: Tensor) -> DualSiteStatistics:
+    def site_statistics(self, x: Tensor, factors: DualPosteriorFactors | None = None) -> DualSiteStatistics:
         r"""
         The marginals :math:`q(f_i) = \mathcal N(\mu_i, v_i)` at a mini-batch and the whitened cross-covariance
         :math:`\mathbf W = \mathbf L_K^{-1}\mathbf K_{\mathbf u\mathbf x}` (the projections are
@@ -292,11 +294,13 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
         :math:`O(BM^2 + M^3)`.
 
         :param x: Mini-batch inputs, ``(B, D)``.
+        :param factors: The factors of :math:`q` at the current hyperparameters and sites when the caller knows them
+            (consecutive E-steps at fixed hyperparameters); recomputed otherwise.
         """
         x = checked_inputs(x, self.inducing_points, self.model)
         # Hyperparameters may have moved since the cached factors were computed (an M-step in between).
         self._clear_cache()
-        factors, prior_mean, data_covariance, whitened_cross, reduced_cross = self._marginals(x)
+        factors, prior_mean, data_covariance, whitened_cross, reduced_cross = self._marginals(x, factors)
         centred_mean = (whitened_cross * factors.whitened_mean.unsqueeze(-1)).sum(-2)
         variance = _marginal_variances(data_covariance, whitened_cross, reduced_cross)
         batch_shape = torch.broadcast_shapes(centred_mean.shape[:-1], self._variational_distribution.batch_shape)
@@ -304,9 +308,8 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
             prior_mean.expand(*batch_shape, -1),
             centred_mean.expand(*batch_shape, -1),
             variance.expand(*batch_shape, -1),
-            factors.prior_cholesky,
-            factors.whitened_site_precision,
             whitened_cross,
+            factors,
         )
 
     def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:

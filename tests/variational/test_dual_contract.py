@@ -21,8 +21,17 @@ from gpytorch_decoupled.variational import (
     IndependentMultitaskVariationalStrategy,
     LMCVariationalStrategy,
 )
-from tests.dual_problems import DualGP, oracle_blocks, problem, site_values
-from tests.float64_problems import F64, JITTER, gaussian_likelihood, generator, randn, relative_error
+from tests.dual_problems import DualGP, N, oracle_blocks, problem, site_values
+from tests.float64_problems import (
+    F64,
+    JITTER,
+    NOISE,
+    assert_close,
+    gaussian_likelihood,
+    generator,
+    randn,
+    relative_error,
+)
 from tests.oracles import gaussian_kl, titsias_optimal_qu
 from tests.oracles.dual import dual_qu_from_sites
 from tests.strategy_contract_test_case import DecoupledStrategyContractTestCase
@@ -467,3 +476,33 @@ def test_random_sites_helper_is_deterministic() -> None:
     dual_strategy(gpytorch.models.ApproximateGP(None), randn(5, 2, gen=generator(0)).float(), first)
     dual_strategy(gpytorch.models.ApproximateGP(None), randn(5, 2, gen=generator(0)).float(), second)
     assert torch.equal(first.site_mean, second.site_mean) and first.site_mean.abs().max() > 0
+
+
+def test_consecutive_e_steps_reuse_the_factors_exactly_and_any_model_change_invalidates_them() -> None:
+    """Steps at fixed hyperparameters reuse the factors the previous step computed (no refactorization of K_uu and
+    H); the result equals fresh computations, and a changed hyperparameter or site forces a fresh computation."""
+    Z, X, y = problem()
+    likelihood = gaussian_likelihood(NOISE)
+
+    def run(reuse: bool, change_between: bool) -> DualGP:
+        model = DualGP(Z)
+        e_step = DualEStep(model, likelihood, num_data=N, lr=0.5)
+        for step, batch in enumerate(torch.arange(N).split(15)):
+            if not reuse:
+                e_step._last_factors = None
+            if change_between and step == 2:
+                with torch.no_grad():
+                    model.covar_module.base_kernel.raw_lengthscale.add_(0.1)
+            e_step.step(X[batch], y[batch])
+            if reuse and not change_between and step > 0:
+                assert e_step._reusable_factors() is not None
+        if change_between:
+            with torch.no_grad():
+                model.variational_strategy._variational_distribution.site_mean.add_(1.0)
+            assert e_step._reusable_factors() is None
+        return model
+
+    for change_between in (False, True):
+        reused, fresh = run(True, change_between), run(False, change_between)
+        for first, second in zip(site_values(reused), site_values(fresh)):
+            assert_close(first, second, rtol=1e-12, atol=1e-12)
