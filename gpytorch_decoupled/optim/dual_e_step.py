@@ -140,10 +140,11 @@ class DualEStep(torch.optim.Optimizer):
         state["jitter"] = torch.tensor(self.strategy.jitter_val)
         return state
 
-    def _targets(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, DualSiteStatistics]:
+    def _targets(
+        self, x: Tensor, y: Tensor, factors: DualPosteriorFactors | None
+    ) -> tuple[Tensor, Tensor, DualSiteStatistics]:
         r"""The natural-gradient targets :math:`g_1, g_2` per latent, ``(..., B)``, and the batch's statistics."""
-        reusable = None if self.strategy._variational_distribution.per_datum else self._reusable_factors()
-        statistics = self.strategy.site_statistics(x, reusable)
+        statistics = self.strategy.site_statistics(x, factors)
         mean = (statistics.prior_mean + statistics.centred_mean).requires_grad_(True)
         variance = statistics.variance.clone().requires_grad_(True)
         with torch.enable_grad():
@@ -190,8 +191,9 @@ class DualEStep(torch.optim.Optimizer):
             checked_inputs(x, self.strategy.inducing_points, self.strategy.model)
             if not torch.equal(distribution.datum_inputs[indices], x):
                 raise ValueError("x is not datum_inputs[indices]; the sites were not changed.")
+        reusable = None if distribution.per_datum else self._reusable_factors()
         self._last_factors = None
-        first_target, second_target, statistics = self._targets(x, y)
+        first_target, second_target, statistics = self._targets(x, y, reusable)
         lr = self.param_groups[0]["lr"]
         site_mean, site_precision = distribution()
         if distribution.per_datum:
@@ -232,7 +234,8 @@ class DualEStep(torch.optim.Optimizer):
         whitened_mean_sum = (whitened_cross @ first_target.unsqueeze(-1)).squeeze(-1)
         # q exists only while H = I + P stays positive definite (P is PSD by construction, up to rounding).
         precision = (1 - lr) * factors.whitened_site_precision + scale * whitened_gram
-        inner = precision.double()
+        # (a copy: .double() of a float64 tensor is the tensor itself)
+        inner = precision.double().clone()
         inner.diagonal(dim1=-2, dim2=-1).add_(1.0)
         inner_chol, info = torch.linalg.cholesky_ex(inner)
         if info.any():

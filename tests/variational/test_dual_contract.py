@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import pickle
 import unittest
+import unittest.mock
 
 import gpytorch
 import pytest
@@ -25,8 +26,8 @@ from tests.dual_problems import DualGP, N, oracle_blocks, problem, site_values
 from tests.float64_problems import (
     F64,
     JITTER,
-    NOISE,
     assert_close,
+    bernoulli_likelihood,
     gaussian_likelihood,
     generator,
     randn,
@@ -482,25 +483,39 @@ def test_consecutive_e_steps_reuse_the_factors_exactly_and_any_model_change_inva
     """Steps at fixed hyperparameters reuse the factors the previous step computed (no refactorization of K_uu and
     H); the result equals fresh computations, and a changed hyperparameter or site forces a fresh computation."""
     Z, X, y = problem()
-    likelihood = gaussian_likelihood(NOISE)
+    # Bernoulli, so that the targets depend on q and a wrong reused factor would show in the sites.
+    likelihood, y = bernoulli_likelihood(), (y > 0).to(y)
 
     def run(reuse: bool, change_between: bool) -> DualGP:
         model = DualGP(Z)
         e_step = DualEStep(model, likelihood, num_data=N, lr=0.5)
-        for step, batch in enumerate(torch.arange(N).split(15)):
+        factorizations = unittest.mock.patch.object(
+            DualVariationalStrategy,
+            "posterior_factors",
+            autospec=True,
+            side_effect=DualVariationalStrategy.posterior_factors,
+        )
+        with factorizations as posterior_factors:
+            steps = run_steps(model, e_step, reuse, change_between)
+        # Without reuse every step factorizes; with it only the first step and the one after the change do.
+        expected = steps if not reuse else 1 + change_between
+        assert posterior_factors.call_count == expected
+        if change_between:
+            with torch.no_grad():
+                model.variational_strategy._variational_distribution.site_mean.add_(1.0)
+            assert e_step._reusable_factors() is None
+        return model
+
+    def run_steps(model: DualGP, e_step: DualEStep, reuse: bool, change_between: bool) -> int:
+        batches = torch.arange(N).split(15)
+        for step, batch in enumerate(batches):
             if not reuse:
                 e_step._last_factors = None
             if change_between and step == 2:
                 with torch.no_grad():
                     model.covar_module.base_kernel.raw_lengthscale.add_(0.1)
             e_step.step(X[batch], y[batch])
-            if reuse and not change_between and step > 0:
-                assert e_step._reusable_factors() is not None
-        if change_between:
-            with torch.no_grad():
-                model.variational_strategy._variational_distribution.site_mean.add_(1.0)
-            assert e_step._reusable_factors() is None
-        return model
+        return len(batches)
 
     for change_between in (False, True):
         reused, fresh = run(True, change_between), run(False, change_between)
