@@ -10,16 +10,26 @@ from .baselines_benchmark import BASELINES
 from .benchmark import Benchmark
 from .decoupled_accuracy_benchmark import DECOUPLED_ACCURACY
 from .decoupled_speed_benchmark import DECOUPLED_SPEED
+from .dual_benchmark import DUAL
 from .method_result import MethodResult
 from .methods import METHODS, Method, build_method
 from .orthogonal_accuracy_benchmark import ORTHOGONAL_ACCURACY
 from .orthogonal_speed_benchmark import ORTHOGONAL_SPEED
+from .recursive_benchmark import RECURSIVE
 from .run_config import RunConfig
 from .runner import compare, train_and_evaluate
 
 BENCHMARKS: dict[str, Benchmark] = {
     benchmark.name: benchmark
-    for benchmark in (BASELINES, ORTHOGONAL_SPEED, ORTHOGONAL_ACCURACY, DECOUPLED_SPEED, DECOUPLED_ACCURACY)
+    for benchmark in (
+        BASELINES,
+        ORTHOGONAL_SPEED,
+        ORTHOGONAL_ACCURACY,
+        DECOUPLED_SPEED,
+        DECOUPLED_ACCURACY,
+        DUAL,
+        RECURSIVE,
+    )
 }
 
 __all__ = [

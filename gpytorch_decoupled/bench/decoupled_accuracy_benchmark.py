@@ -37,7 +37,7 @@ from .benchmark import Benchmark
 from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, load_split, run_config
 from .method_result import MethodResult
 from .methods import build_method
-from .report import benchmark_payload, format_ratios, write_results
+from .report import benchmark_payload, format_ratios, pyplot, save_figure, write_results
 from .runner import split_tensors, train_and_evaluate
 
 NAME = "decoupled-accuracy"
@@ -210,12 +210,8 @@ def _mean_curves(results: list[MethodResult]) -> tuple[list[float], list[float]]
 
 def _plot(curves: dict[str, dict[str, list[MethodResult]]], table: dict, path: Path) -> Path | None:
     """Test nMSE (mean over outputs) against training time, one panel per data set, SVGP's training time marked."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     figure, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
     for axis, (dataset, by_method) in zip(axes[0], curves.items()):
@@ -231,11 +227,7 @@ def _plot(curves: dict[str, dict[str, list[MethodResult]]], table: dict, path: P
         axis.set_ylabel("test nMSE")
         axis.grid(alpha=0.3, which="both")
         axis.legend(fontsize=8)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def _print_table(table: dict) -> None:

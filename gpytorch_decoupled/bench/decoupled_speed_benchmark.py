@@ -24,7 +24,7 @@ from .benchmark import Benchmark
 from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, load_split, run_config, split_config
 from .method_result import MethodResult
 from .orthogonal_speed_benchmark import _size_label, scale_run
-from .report import benchmark_payload, format_ratios, format_table, write_results
+from .report import benchmark_payload, format_ratios, format_table, pyplot, save_figure, write_results
 from .runner import compare, split_tensors
 
 NAME = "decoupled-speed"
@@ -98,12 +98,8 @@ def _scale_ratios(results: list[MethodResult], prefix: str) -> dict[str, float]:
 
 def _plot_scale(scale: dict[str, list[MethodResult]], sizes: list[int], path: Path) -> Path | None:
     """Seconds per iteration and peak memory against the mean-basis size, log-log, with a linear-growth guide."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(10, 4))
     for results in scale.values():
@@ -123,11 +119,7 @@ def _plot_scale(scale: dict[str, list[MethodResult]], sizes: list[int], path: Pa
         axis.grid(alpha=0.3, which="both")
         axis.legend(fontsize=8)
     figure.suptitle("Decoupled and Hybrid, Mβ=200, batch 256: time and memory against the mean basis size")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def _run(args: argparse.Namespace) -> dict:

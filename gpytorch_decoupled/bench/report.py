@@ -82,6 +82,28 @@ def write_results(path: str | os.PathLike, payload: dict) -> Path:
     return path
 
 
+def pyplot():
+    """matplotlib's ``pyplot`` on the non-interactive Agg backend, or ``None`` when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(figure, path: str | os.PathLike, dpi: int = 120) -> Path:
+    """Lay out ``figure``, write it to ``path`` (creating its folder) and close it."""
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=dpi)
+    pyplot().close(figure)
+    return path
+
+
 def plot_curves(
     results: Sequence[MethodResult],
     path: str | os.PathLike,
@@ -98,12 +120,8 @@ def plot_curves(
     :param log: Logarithmic y axis (values are floored at 1e-12).
     :param reference: A horizontal line ``(value, label)``, e.g. a tolerance.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for result in results:
@@ -121,12 +139,7 @@ def plot_curves(
     axis.set_title(title)
     axis.grid(alpha=0.3, which="both")
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def lower_is_better(goal_name: str) -> bool:

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import contextlib
+import math
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -29,10 +31,112 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_call(function: Callable[..., object], *args, device: torch.device) -> float:
+    """Wall-clock seconds of ``function(*args)`` (CUDA is synchronized before and after)."""
+    _synchronize(device)
+    start = time.perf_counter()
+    function(*args)
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+#: Test metrics of a method at test inputs and targets, e.g. ``{"nll": ..., "accuracy": ...}``.
+TestMetrics = Callable[[Method, Tensor, Tensor], dict[str, float]]
+
+
+class _Training:
+    """One method's state in a training run: its batch stream, step times and measured result."""
+
+    def __init__(self, name: str, method: Method, train, test, config: RunConfig, metrics: TestMetrics):
+        self.method, self.train, self.test, self.metrics = method, train, test, metrics
+        self.batches = _minibatches(*train, config.batch_size, config.seed)
+        self.result = MethodResult(name=name, label=method.label, sizes=method.sizes)
+        self.times: list[float] = []
+        self.done = False
+
+    def evaluate(self, iteration: int) -> dict:
+        point = {"iteration": iteration, "seconds": sum(self.times), **self.metrics(self.method, *self.test)}
+        self.result.curve.append(point)
+        return point
+
+    def iterate(self) -> None:
+        x, y = next(self.batches) if self.method.uses_minibatches else self.train
+        self.times.append(timed_call(self.method.step, x, y, device=self.train[0].device))
+
+    def finish(self, warmup: int, peak_memory_mb: float) -> MethodResult:
+        result = self.result
+        if result.curve[-1]["iteration"] != len(self.times):
+            self.evaluate(len(self.times))
+        result.seconds_per_iteration = statistics.median(self.times[warmup:] or self.times)
+        result.peak_memory_mb = peak_memory_mb
+        result.iterations = len(self.times)
+        result.train_seconds = sum(self.times)
+        result.rmse, result.nll = result.curve[-1].get("rmse", math.nan), result.curve[-1]["nll"]
+        result.objective = self.method.objective()
+        return result
+
+
+def train_in_lockstep(
+    methods: Sequence[tuple[str, Method]],
+    train: tuple[Tensor, Tensor],
+    test: tuple[Tensor, Tensor],
+    y_std,
+    config: RunConfig,
+    test_metrics: TestMetrics | None = None,
+) -> list[MethodResult]:
+    r"""Train several methods as ``config`` says, one iteration of each in turn, and measure them.
+
+    Each method draws the same mini-batches (same seed); the order within an iteration alternates, so that a change of
+    load on a shared machine slows every method alike. Per-iteration times are taken around :meth:`Method.step` alone
+    (synchronizing CUDA); their median after ``config.warmup`` iterations is the headline. Peak memory is measured over
+    the warm-up iterations when a single method trains (NaN otherwise: the methods' allocations would mix). Test metrics
+    are evaluated every ``config.eval_every`` iterations outside the timed region, giving test NLL against training
+    wall-clock; a method whose training time reaches ``config.time_budget`` stops while the others go on.
+
+    :param methods: ``(name stored in the result, freshly built method)`` pairs.
+    :param train: Training inputs and targets (standardized), on the config's device.
+    :param test: Test inputs and targets (standardized), on the config's device.
+    :param y_std: Training standard deviation of the targets, to report metrics in original units.
+    :param config: The shared run configuration.
+    :param test_metrics: The test metrics (they must include ``nll``; default: RMSE and NLL of the Gaussian
+        predictive in original units).
+    """
+
+    def gaussian_metrics(method: Method, x: Tensor, y: Tensor) -> dict[str, float]:
+        return gaussian_test_metrics(*method.predict(x), y, y_std)
+
+    runs = [_Training(name, method, train, test, config, test_metrics or gaussian_metrics) for name, method in methods]
+    for run in runs:
+        run.evaluate(0)
+    warmup = min(config.warmup, config.iterations)
+    label = ", ".join(run.method.label for run in runs)
+    meter = PeakMemoryMeter(train[0].device)
+    with tqdm(total=config.iterations * len(runs), desc=label, disable=not config.progress, leave=False) as progress:
+        with meter if len(runs) == 1 else contextlib.nullcontext():
+            for iteration in range(1, warmup + 1):
+                for run in runs[:: 1 if iteration % 2 else -1]:
+                    run.iterate()
+                    progress.update()
+        for iteration in range(warmup + 1, config.iterations + 1):
+            for run in [run for run in runs if not run.done][:: 1 if iteration % 2 else -1]:
+                run.iterate()
+                progress.update()
+                run.done = config.time_budget is not None and sum(run.times) >= config.time_budget
+                if iteration % config.eval_every == 0 or iteration == config.iterations or run.done:
+                    progress.set_postfix(nll=f"{run.evaluate(iteration)['nll']:.3f}")
+    return [run.finish(warmup, meter.peak_mb if len(runs) == 1 else math.nan) for run in runs]
+
+
 def train_and_evaluate(
-    method: Method, train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor], y_std, config: RunConfig, name: str = ""
+    method: Method,
+    train: tuple[Tensor, Tensor],
+    test: tuple[Tensor, Tensor],
+    y_std,
+    config: RunConfig,
+    name: str = "",
+    test_metrics: TestMetrics | None = None,
 ) -> MethodResult:
-    r"""Train ``method`` as ``config`` says and measure it.
+    r"""Train ``method`` as ``config`` says and measure it (:func:`train_in_lockstep` with one method).
 
     Per-iteration times are taken around :meth:`Method.step` alone (synchronizing CUDA); their median after
     ``config.warmup`` iterations is the headline. Peak memory is measured over the warm-up iterations. Test metrics
@@ -45,55 +149,10 @@ def train_and_evaluate(
     :param y_std: Training standard deviation of the targets, to report metrics in original units.
     :param config: The shared run configuration.
     :param name: Registry name stored in the result.
+    :param test_metrics: The test metrics (they must include ``nll``; default: RMSE and NLL of the Gaussian
+        predictive in original units).
     """
-    device = train[0].device
-    batches = _minibatches(*train, config.batch_size, config.seed)
-    result = MethodResult(name=name, label=method.label, sizes=method.sizes)
-    times: list[float] = []
-
-    def evaluate(iteration: int) -> dict:
-        point = {
-            "iteration": iteration,
-            "seconds": sum(times),
-            **gaussian_test_metrics(*method.predict(test[0]), test[1], y_std),
-        }
-        result.curve.append(point)
-        return point
-
-    def iterate() -> None:
-        x, y = next(batches) if method.uses_minibatches else train
-        _synchronize(device)
-        start = time.perf_counter()
-        method.step(x, y)
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-
-    evaluate(0)
-    warmup = min(config.warmup, config.iterations)
-    with tqdm(total=config.iterations, desc=method.label, disable=not config.progress, leave=False) as progress:
-        meter = PeakMemoryMeter(device)
-        with meter:
-            for _ in range(warmup):
-                iterate()
-                progress.update()
-        for iteration in range(warmup + 1, config.iterations + 1):
-            iterate()
-            progress.update()
-            out_of_time = config.time_budget is not None and sum(times) >= config.time_budget
-            if iteration % config.eval_every == 0 or iteration == config.iterations or out_of_time:
-                progress.set_postfix(nll=f"{evaluate(iteration)['nll']:.3f}")
-            if out_of_time:
-                break
-    if result.curve[-1]["iteration"] != len(times):
-        evaluate(len(times))
-
-    timed = times[warmup:] or times
-    result.seconds_per_iteration = statistics.median(timed)
-    result.peak_memory_mb = meter.peak_mb
-    result.iterations = len(times)
-    result.train_seconds = sum(times)
-    result.rmse, result.nll = result.curve[-1]["rmse"], result.curve[-1]["nll"]
-    result.objective = method.objective()
+    (result,) = train_in_lockstep([(name, method)], train, test, y_std, config, test_metrics)
     return result
 
 

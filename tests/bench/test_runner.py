@@ -5,7 +5,7 @@ import torch
 
 from gpytorch_decoupled import datasets
 from gpytorch_decoupled.bench import METHODS, RunConfig, build_method, compare
-from gpytorch_decoupled.bench.runner import _minibatches
+from gpytorch_decoupled.bench.runner import _minibatches, train_in_lockstep
 
 
 def _synthetic_split(n_train=300, n_test=100, seed=0):
@@ -85,3 +85,23 @@ def test_svgp_fits_real_data_to_a_useful_accuracy():
     # Predicting the training mean gives an RMSE of about one standard deviation.
     assert result.rmse < 0.55 * y_scale
     assert result.objective > -1.0
+
+
+def test_lockstep_training_gives_each_method_the_same_batches_and_its_own_budget():
+    split = _synthetic_split()
+    train, test = (split.train_x, split.train_y), (split.test_x, split.test_y)
+    config = RunConfig(iterations=12, batch_size=64, eval_every=4, warmup=2, progress=False)
+    # t-SVGP starts from zero sites, with no random draw on the first call (GPyTorch's distributions draw one).
+    twins = [(f"dual@{tag}", build_method("dual", *train, num_inducing=10, lr=0.05)) for tag in ("a", "b")]
+    first, second = train_in_lockstep(twins, train, test, split.y_std, config)
+    assert [first.name, second.name] == ["dual@a", "dual@b"]
+    # Identically built methods trained in turns on the same batch stream stay identical.
+    assert [point["nll"] for point in first.curve] == [point["nll"] for point in second.curve]
+    assert first.iterations == second.iterations == 12
+    assert math.isnan(first.peak_memory_mb)  # memory is only measured for a method training alone
+
+    budget = RunConfig(iterations=10_000, batch_size=64, eval_every=1000, warmup=2, time_budget=0.3, progress=False)
+    pair = [("svgp", build_method("svgp", *train, num_inducing=10)), ("sgpr", build_method("sgpr", *train))]
+    fast, slow = train_in_lockstep(pair, train, test, split.y_std, budget)
+    assert fast.train_seconds >= 0.3 and slow.train_seconds >= 0.3
+    assert fast.curve[-1]["iteration"] == fast.iterations and slow.curve[-1]["iteration"] == slow.iterations

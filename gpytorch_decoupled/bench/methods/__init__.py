@@ -13,12 +13,16 @@ from ...variational import HybridVariationalStrategy
 from .approximate_gp_method import ApproximateGPMethod
 from .approximate_regression_model import ApproximateRegressionModel
 from .decoupled_method import DecoupledMethod
+from .dual_method import DualMethod
+from .em_method import EMMethod
 from .exact_gp_method import ExactGPMethod
 from .exact_regression_model import ExactRegressionModel
 from .gpytorch_orthogonal_method import GPyTorchOrthogonalMethod
 from .inducing_points import initial_inducing_points
 from .method import Method, MethodNotApplicable
 from .orthogonal_method import OrthogonalMethod
+from .qsvgp_method import QSVGPMethod
+from .recursive_method import RecursiveMethod
 from .svgp_method import SVGPMethod
 
 MethodFactory = Callable[..., Method]
@@ -33,6 +37,9 @@ METHODS: dict[str, MethodFactory] = {
     "orth": partial(OrthogonalMethod, natural=False),
     "decoupled": DecoupledMethod,
     "hybrid": partial(OrthogonalMethod, natural=False, strategy_cls=HybridVariationalStrategy),
+    "dual": DualMethod,
+    "q-svgp": QSVGPMethod,
+    "recursive": RecursiveMethod,
 }
 
 
@@ -47,6 +54,8 @@ __all__ = [
     "ApproximateGPMethod",
     "ApproximateRegressionModel",
     "DecoupledMethod",
+    "DualMethod",
+    "EMMethod",
     "ExactGPMethod",
     "ExactRegressionModel",
     "GPyTorchOrthogonalMethod",
@@ -55,6 +64,8 @@ __all__ = [
     "MethodFactory",
     "MethodNotApplicable",
     "OrthogonalMethod",
+    "QSVGPMethod",
+    "RecursiveMethod",
     "SVGPMethod",
     "build_method",
     "initial_inducing_points",

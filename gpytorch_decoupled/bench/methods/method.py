@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 import gpytorch
 import torch
@@ -62,14 +63,31 @@ class Method(ABC):
         """Settings every forward pass of this method runs under."""
         return contextlib.nullcontext()
 
+    def _predictive_batches(self, x: Tensor) -> Iterator:
+        """The likelihood's predictive distribution at ``x``, one batch at a time (in eval mode)."""
+        self._set_training(False)
+        with self._numerics():
+            for x_batch in x.split(self.batch_size):
+                yield self.likelihood(self.model(x_batch))
+
     @torch.no_grad()
     def predict(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Predictive mean and variance of :math:`y` at ``x``, computed in batches."""
-        self._set_training(False)
         means, variances = [], []
-        with self._numerics():
-            for x_batch in x.split(self.batch_size):
-                predictive = self.likelihood(self.model(x_batch))
-                means.append(predictive.mean)
-                variances.append(predictive.variance)
+        for predictive in self._predictive_batches(x):
+            means.append(predictive.mean)
+            variances.append(predictive.variance)
         return torch.cat(means), torch.cat(variances)
+
+    @torch.no_grad()
+    def predict_probabilities(self, x: Tensor, num_samples: int = 64) -> Tensor:
+        r"""Predictive class probabilities at ``x`` of a classification likelihood: :math:`p(y = 1)`, ``(n,)``, for a
+        Bernoulli likelihood; :math:`p(y = c)`, ``(n, C)``, for a softmax likelihood, averaged over ``num_samples``
+        Monte Carlo draws of the latent functions."""
+        probabilities = []
+        with gpytorch.settings.num_likelihood_samples(num_samples):
+            for predictive in self._predictive_batches(x):
+                # A softmax predictive is a batch of categoricals, one per latent draw: (samples, batch, classes).
+                probs = predictive.probs
+                probabilities.append(probs.mean(0) if probs.dim() == 3 else probs)
+        return torch.cat(probabilities)
