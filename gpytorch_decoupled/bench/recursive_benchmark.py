@@ -23,8 +23,10 @@ in turn, so that a change of load on the shared cores slows both alike) and use 
    :math:`w_1 = 1`, 1,000 s burn-in, :math:`\\sigma_n = 0.1`) for :math:`10^6 + 2\\cdot10^5` NARX rows
    :math:`\\mathbf x_t = [y_{t-1}, y_{t-2}, w_t, w_{t-1}, w_{t-2}]`; the training sets are the :math:`N` rows just
    before row :math:`10^6` and the test set the last :math:`2\\cdot10^5` rows. SRGP and SVGP are trained for the same
-   number of epochs, :math:`\\min(E_{\\max}, \\lceil S/\\lceil N/B\\rceil\\rceil)` with at least :math:`S = 600`
-   steps (so 600 epochs at :math:`N = 10^3`, 60 at :math:`10^4`, 6 at :math:`10^5`, 1 at :math:`10^6`); collapsed
+   number of epochs: enough for :math:`S = 600` steps, and at least 2 (so 600 epochs at :math:`N = 10^3`, 60 at
+   :math:`10^4`, 6 at :math:`10^5`, 2 at :math:`10^6`; SRGP restarts its recursion at the start of an epoch only, and
+   in a single epoch at :math:`10^6` its hyperparameters, after converging, drifted off again as the statistics of
+   hundreds of mini-batches absorbed at older hyperparameters piled up); collapsed
    SGPR (batch VFE, :math:`M = 100`) up to :math:`5\\cdot10^4` rows and the exact GP up to 5,000 rows, each with 300
    full-batch Adam steps. Test RMSE (and median absolute error, NLL, 95% coverage) against the noisy targets in
    :math:`C_b` units.
@@ -120,6 +122,9 @@ RATIO_NOTES = {
     ),
 }
 
+#: What the CSTR part records of each method's final evaluation.
+CSTR_METRICS = ("rmse", "median_abs_error", "nll", "coverage", "rmse_inside", "rmse_outside", "hyperparameters")
+
 #: Length-scales of the synthetic GP data per input dimension (spec B.6, Sec. 5.1).
 SYNTHETIC_LENGTHSCALES = {1: 0.1, 2: 0.2, 5: 0.5}
 
@@ -151,6 +156,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     cstr.add_argument("--cstr-burn-in", type=float, default=1000.0, help="seconds of simulation discarded")
     cstr.add_argument("--cstr-min-steps", type=int, default=600, help="at least this many steps per size")
     cstr.add_argument("--cstr-max-epochs", type=int, default=600)
+    cstr.add_argument(
+        "--cstr-min-epochs",
+        type=int,
+        default=2,
+        help="at least this many epochs per size (SRGP restarts its recursion only at an epoch's start)",
+    )
     cstr.add_argument("--sgpr-max-rows", type=int, default=50_000, help="collapsed SGPR (batch VFE) up to this N")
     cstr.add_argument("--exact-max-rows", type=int, default=5_000, help="the exact GP up to this N")
     cstr.add_argument("--full-batch-iterations", type=int, default=300, help="Adam steps of SGPR and the exact GP")
@@ -212,6 +223,17 @@ def standardized_split(name: str, x: Tensor, y: Tensor, num_train: int, source: 
     )
 
 
+def learned_hyperparameters(method: Method) -> dict:
+    """The noise variance, the output scale and the length-scales of a method's scaled SE kernel (standardized
+    units)."""
+    kernel = next(module for module in method.model.modules() if isinstance(module, gpytorch.kernels.ScaleKernel))
+    return {
+        "noise": method.likelihood.noise.item(),
+        "outputscale": kernel.outputscale.item(),
+        "lengthscales": kernel.base_kernel.lengthscale.flatten().tolist(),
+    }
+
+
 def _train(
     names: list[str],
     split: datasets.Split,
@@ -219,17 +241,28 @@ def _train(
     options: dict[str, dict],
     tag: str,
     with_objective: bool = False,
+    extrapolation: bool = False,
 ) -> list[MethodResult]:
     """Build the registry methods ``names`` on the split and train them as ``config`` says, in lockstep (the same
     mini-batches, one step of each in turn), with every test evaluation by :func:`regression_metrics` and, where
-    ``with_objective``, the training objective."""
+    ``with_objective``, the training objective; with ``extrapolation``, also the test RMSE of the rows inside and
+    outside the box of the training inputs, and the learned hyperparameters."""
     train, test = split_tensors(split, config)
     methods = [(f"{name}@{tag}", build_method(name, *train, seed=config.seed, **options[name])) for name in names]
     y_std = split.y_std.item()
+    inside = ((test[0] >= train[0].amin(0)) & (test[0] <= train[0].amax(0))).all(-1)
 
     def metrics(method: Method, x: Tensor, y: Tensor) -> dict[str, float]:
         values = regression_metrics(method, x, y, y_std)
-        return {**values, "objective": method.objective()} if with_objective else values
+        if with_objective:
+            values["objective"] = method.objective()
+        if extrapolation:
+            squared = (method.predict(x)[0] - y).square() * y_std**2
+            values["inside_fraction"] = inside.to(y.dtype).mean().item()
+            values["rmse_inside"] = squared[inside].mean().sqrt().item()
+            values["rmse_outside"] = squared[~inside].mean().sqrt().item() if (~inside).any() else math.nan
+            values["hyperparameters"] = learned_hyperparameters(method)
+        return values
 
     return train_in_lockstep(methods, train, test, y_std, config, test_metrics=metrics)
 
@@ -410,9 +443,10 @@ def _plot_streaming(rows: list[dict], path: Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------- part 2
-def cstr_epochs(num_rows: int, batch_size: int, min_steps: int, max_epochs: int) -> int:
-    """Epochs of SRGP and SVGP at one CSTR training size: enough for ``min_steps`` steps, at most ``max_epochs``."""
-    return max(1, min(max_epochs, math.ceil(min_steps / math.ceil(num_rows / batch_size))))
+def cstr_epochs(num_rows: int, batch_size: int, min_steps: int, max_epochs: int, min_epochs: int = 1) -> int:
+    """Epochs of SRGP and SVGP at one CSTR training size: enough for ``min_steps`` steps, at most ``max_epochs``, at
+    least ``min_epochs``."""
+    return max(min_epochs, min(max_epochs, math.ceil(min_steps / math.ceil(num_rows / batch_size))))
 
 
 def _cstr_part(args: argparse.Namespace, config: RunConfig, output: Path) -> tuple[dict, list, dict]:
@@ -426,22 +460,25 @@ def _cstr_part(args: argparse.Namespace, config: RunConfig, output: Path) -> tup
     for size in sizes:
         rows_used = slice(sizes[-1] - size, None)
         split = standardized_split("cstr", x[rows_used], y[rows_used], size, "simulated")
-        epochs = cstr_epochs(size, config.batch_size, args.cstr_min_steps, args.cstr_max_epochs)
+        epochs = cstr_epochs(size, config.batch_size, args.cstr_min_steps, args.cstr_max_epochs, args.cstr_min_epochs)
         steps = epochs * math.ceil(size / config.batch_size)
         minibatch = replace(config, iterations=steps, eval_every=steps)
         full_batch = replace(config, iterations=args.full_batch_iterations, eval_every=args.full_batch_iterations)
         row = {"num_train": size, "epochs": epochs, "steps": steps, "methods": {}}
-        size_results = _train([OURS, BASELINE], split, minibatch, options, f"N={size}")
+        size_results = _train([OURS, BASELINE], split, minibatch, options, f"N={size}", extrapolation=True)
         for name, limit in (("sgpr", args.sgpr_max_rows), ("exact", args.exact_max_rows)):
-            size_results += _train([name], split, full_batch, options, f"N={size}") if size <= limit else []
+            if size <= limit:
+                size_results += _train([name], split, full_batch, options, f"N={size}", extrapolation=True)
         for result in size_results:
             name, final = result.name.split("@")[0], result.curve[-1]
             row["methods"][name] = {
                 "label": result.label,
-                **{key: final[key] for key in ("rmse", "median_abs_error", "nll", "coverage")},
+                **{key: final[key] for key in CSTR_METRICS},
+                "objective": result.objective,
                 "train_seconds": result.train_seconds,
                 "iterations": result.iterations,
             }
+        row["test_inside_training_box"] = final["inside_fraction"]
         results += size_results
         rows.append(row)
         print(f"  CSTR N={size}: " + ", ".join(f"{n} RMSE {m['rmse']:.4f}" for n, m in row["methods"].items()))
@@ -488,11 +525,18 @@ def _cstr_part(args: argparse.Namespace, config: RunConfig, output: Path) -> tup
             "seconds": simulation_seconds,
             "seed": config.seed,
         },
+        "metrics": (
+            "against the noisy test targets, in Cb units: RMSE, median absolute error, NLL, 95% coverage; rmse_inside "
+            "and rmse_outside split the test rows by whether every input lies within the range of the training inputs "
+            "(test_inside_training_box: the fraction inside); objective: SRGP and SGPR the collapsed bound / N, the "
+            "exact GP the log marginal likelihood / N, SVGP the ELBO / N (standardized targets); hyperparameters in "
+            "standardized units"
+        ),
         "schedule": (
-            f"SRGP and SVGP: min({args.cstr_max_epochs}, ceil({args.cstr_min_steps} / ceil(N / "
-            f"{config.batch_size}))) epochs of mini-batches of {config.batch_size}; SGPR (N <= {args.sgpr_max_rows}) "
-            f"and the exact GP (N <= {args.exact_max_rows}): {args.full_batch_iterations} full-batch Adam steps "
-            "(lr 0.05)"
+            f"SRGP and SVGP: max({args.cstr_min_epochs}, min({args.cstr_max_epochs}, ceil({args.cstr_min_steps} / "
+            f"ceil(N / {config.batch_size})))) epochs of mini-batches of {config.batch_size}; SGPR "
+            f"(N <= {args.sgpr_max_rows}) and the exact GP (N <= {args.exact_max_rows}): "
+            f"{args.full_batch_iterations} full-batch Adam steps (lr 0.05)"
         ),
     }
     print(f"\nCSTR: test RMSE ({args.cstr_test_rows} test rows, Cb units; noise std {args.cstr_noise_std})\n")
@@ -501,6 +545,13 @@ def _cstr_part(args: argparse.Namespace, config: RunConfig, output: Path) -> tup
         cells = [f"{row['methods'][name]['rmse']:10.4f}" if name in row["methods"] else f"{'':>10s}"
                  for name in (OURS, BASELINE, *FULL_BATCH)]  # fmt: skip
         print(f"{row['num_train']:9d} {row['epochs']:6d} " + " ".join(cells))
+        ours, theirs = row["methods"][OURS], row["methods"][BASELINE]
+        print(
+            f"{'':16s} SRGP / SVGP RMSE on the {row['test_inside_training_box']:.1%} of test rows inside the box of "
+            f"the training inputs {ours['rmse_inside']:.4f} / {theirs['rmse_inside']:.4f}, outside "
+            f"{ours['rmse_outside']:.4f} / {theirs['rmse_outside']:.4f}; objective {ours['objective']:.4f} / "
+            f"{theirs['objective']:.4f}"
+        )
     print(f"(simulation: {simulation_seconds:.1f} s, {data.sweeps} sweeps)")
     _plot_cstr(rows, output / f"{NAME}-cstr.png")
     return summary, results, ratios

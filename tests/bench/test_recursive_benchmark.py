@@ -70,13 +70,20 @@ def test_recursive_tiny_run(tmp_path, capsys):
     assert ratios["streaming_time_growth_1e5_to_1e6"] == ratios["streaming_time_growth_1e3_to_3000"]
 
     cstr = payload["cstr"]
-    assert [(row["num_train"], row["epochs"], row["steps"]) for row in cstr["sizes"]] == [(400, 3, 3), (1200, 1, 3)]
+    assert [(row["num_train"], row["epochs"], row["steps"]) for row in cstr["sizes"]] == [(400, 3, 3), (1200, 2, 6)]
     assert set(cstr["sizes"][0]["methods"]) == {"recursive", "svgp", "sgpr", "exact"}
     assert ratios["cstr_srgp_rmse_vs_svgp_max"] == max(row["srgp_rmse_vs_svgp"] for row in cstr["sizes"])
     # The simulated plant stays in the operating range of spec B.6 (a 20,000 s check there: Cb in [17.1, 23.0]).
     simulation = cstr["simulation"]
     assert 16 < simulation["cb_range"][0] < simulation["cb_mean"] < simulation["cb_range"][1] < 24
     assert all(0.08 < row["methods"][name]["rmse"] < 2.0 for row in cstr["sizes"] for name in row["methods"])
+    for row in cstr["sizes"]:
+        assert 0.5 < row["test_inside_training_box"] <= 1
+        for entry in row["methods"].values():
+            # The RMSE of all test rows lies between those of the rows inside and outside the training inputs' box.
+            low, high = sorted((entry["rmse_inside"], entry["rmse_outside"]))
+            assert low <= entry["rmse"] <= high
+            assert entry["hyperparameters"]["noise"] > 0 and len(entry["hyperparameters"]["lengthscales"]) == 5
 
     epochs = payload["epochs"]["datasets"]
     assert set(epochs) == {"synthetic-1d", "synthetic-2d", "elevators"}
@@ -247,6 +254,7 @@ def test_srgp_learns_and_is_registered_for_the_demo():
 def test_cstr_epochs_and_epochs_to_reach():
     assert [cstr_epochs(n, 1000, 200, 200) for n in (10**3, 10**4, 10**5, 10**6)] == [200, 20, 2, 1]
     assert cstr_epochs(500, 1000, 200, 50) == 50
+    assert [cstr_epochs(n, 1000, 600, 600, min_epochs=2) for n in (10**3, 10**4, 10**5, 10**6)] == [600, 60, 6, 2]
     assert epochs_to_reach([0.1, 0.5, 0.3, 0.2], 0.3) == 2  # epoch 0 (before training) does not count
     assert epochs_to_reach([0.9, 0.5], 0.3) is None
 
