@@ -198,6 +198,28 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
         root = solve_lower(inner_chol, prior_chol.mT).mT  # L_K H^{-T/2}
         return MultivariateNormal(mean, RootLinearOperator(root))
 
+    def site_summaries(self) -> tuple[Tensor, Tensor]:
+        r"""
+        The summaries of the sites at the current hyperparameters (spec eq. 44), the paper's Algorithm 2 state:
+
+        .. math::
+
+            \bar{\boldsymbol\lambda}_1 = \mathbf K_{\mathbf{uu}}\boldsymbol\ell_1 = \mathbf K_{\mathbf uf}
+            \boldsymbol\lambda_1, \qquad
+            \bar{\boldsymbol\Lambda}_2 = \mathbf K_{\mathbf{uu}}\mathbf L_2\mathbf K_{\mathbf{uu}}
+            = \mathbf K_{\mathbf uf}\operatorname{diag}(\boldsymbol\lambda_2)\mathbf K_{\mathbf fu}
+
+        (the right-hand forms for per-datum sites), computed as :math:`\mathbf L_K\mathbf h` and
+        :math:`\mathbf L_K\mathbf P\mathbf L_K^\top` from the whitened factors.
+
+        :return: :math:`\bar{\boldsymbol\lambda}_1`, ``(..., M)``, and :math:`\bar{\boldsymbol\Lambda}_2`,
+            ``(..., M, M)``.
+        """
+        prior_chol, whitened_precision, _, whitened_site_mean, _ = self.posterior_factors()
+        summary_mean = (prior_chol @ whitened_site_mean.unsqueeze(-1)).squeeze(-1)
+        summary_precision = prior_chol @ whitened_precision @ prior_chol.mT
+        return summary_mean, 0.5 * (summary_precision + summary_precision.mT)
+
     def site_log_normalizer(self) -> Tensor:
         r"""
         :math:`\log\mathcal Z(\theta) = \log\int p_\theta(\mathbf u)\,t(\mathbf u)\,d\mathbf u` for the unnormalized

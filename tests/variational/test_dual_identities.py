@@ -176,7 +176,10 @@ def test_variational_distribution_matches_the_oracle(batch_shape: torch.Size, pe
             summaries = datum_sites_to_summaries(K_uf, site_mean[index], site_precision[index])
             m_ref, S_ref = dual_qu_from_summaries(K_uu, *summaries)
         else:
+            summaries = sites_to_summaries(K_uu, site_mean[index], site_precision[index])
             m_ref, S_ref = dual_qu_from_sites(K_uu, site_mean[index], site_precision[index])
+        for actual, expected in zip(model.variational_strategy.site_summaries(), summaries):
+            _assert_rel(actual[index], expected, 1e-10, "summaries (eq. 44)")
         _assert_rel(m[index], m_ref, 1e-10, "m")
         _assert_rel(S[index], S_ref, 1e-10, "S")
     prior = model.variational_strategy.prior_distribution
