@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from gpytorch.mlls import VariationalELBO
-from gpytorch.variational import IndependentMultitaskVariationalStrategy
 from torch import Tensor
 
 from ..variational import DualVariationalStrategy
@@ -62,14 +61,7 @@ class DualVariationalELBO(VariationalELBO):
     """
 
     def __init__(self, likelihood, model, num_data: int, beta: float = 1.0):
-        strategy = model.variational_strategy
-        if isinstance(strategy, IndependentMultitaskVariationalStrategy):
-            strategy = strategy.base_variational_strategy
-        if not isinstance(strategy, DualVariationalStrategy):
-            raise TypeError(
-                "DualVariationalELBO needs a model whose variational strategy is a DualVariationalStrategy, got "
-                f"{type(model.variational_strategy).__name__}; use gpytorch.mlls.VariationalELBO for other strategies."
-            )
+        strategy, _ = DualVariationalStrategy.of_model(model, "DualVariationalELBO")
         super().__init__(likelihood, model, num_data=num_data, beta=beta)
         self.dual_strategy = strategy
 

@@ -5,7 +5,6 @@ from gpytorch import settings
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.likelihoods import Likelihood
 from gpytorch.models import ApproximateGP
-from gpytorch.variational import IndependentMultitaskVariationalStrategy
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
@@ -99,16 +98,7 @@ class DualEStep(torch.optim.Optimizer):
         min_curvature: float = 2e-8,
         num_likelihood_samples: int | None = None,
     ):
-        strategy = model.variational_strategy
-        self.task_dim = None
-        if isinstance(strategy, IndependentMultitaskVariationalStrategy):
-            self.task_dim = strategy.task_dim
-            strategy = strategy.base_variational_strategy
-        if not isinstance(strategy, DualVariationalStrategy):
-            raise TypeError(
-                "DualEStep needs a model whose variational strategy is a DualVariationalStrategy (optionally inside "
-                f"an IndependentMultitaskVariationalStrategy), got {type(model.variational_strategy).__name__}."
-            )
+        strategy, self.task_dim = DualVariationalStrategy.of_model(model, "DualEStep")
         if not 0 < lr <= 1 or num_data <= 0 or min_curvature <= 0:
             raise ValueError(
                 f"need 0 < lr <= 1, num_data > 0 and min_curvature > 0, got {lr}, {num_data}, {min_curvature}."

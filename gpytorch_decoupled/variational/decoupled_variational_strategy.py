@@ -3,7 +3,6 @@ from __future__ import annotations
 import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.models import ApproximateGP
-from gpytorch.module import Module
 from gpytorch.utils.memoize import (
     _add_to_cache_ignore_args,
     _get_from_cache_ignore_args,
@@ -16,12 +15,13 @@ from torch import Tensor
 
 from ..linalg import cholesky_logdet, jittered_cholesky, solve_lower
 from ._cache_safe_mixin import _CacheSafeMixin
+from ._direct_call_mixin import _DirectCallMixin
 from ._mean_basis_mixin import _MeanBasisMixin
 from ._replace_tensor import replace_tensor
 from .decoupled_variational_distribution import DecoupledVariationalDistribution
 
 
-class DecoupledVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, _VariationalStrategy):
+class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafeMixin, _VariationalStrategy):
     r"""
     The decoupled (SVDGP) variational GP of `Cheng & Boots (2017)`_: a mean basis :math:`\alpha`
     (``mean_inducing_points``, :math:`M_\alpha` points, possibly :math:`10^5` or more) and a separate covariance basis
@@ -236,17 +236,3 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, _Variationa
         trace_inverse = solve_lower(chol, eye).pow(2).sum((-2, -1))
         covariance_kl = 0.5 * (cholesky_logdet(chol) + trace_inverse - chol.size(-1))
         return 0.5 * self.mean_basis_quadratic_form() + covariance_kl.to(self.inducing_points.dtype)
-
-    def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
-        x = self._checked_inputs(x)
-        if prior:
-            return self.model.forward(x, **kwargs)
-        if self.training:
-            self._clear_cache()
-        # The distribution starts near the prior on construction: record the first call as GPyTorch's strategies do,
-        # without resetting values set before it (and without reading the flag back from the device).
-        self.variational_params_initialized.fill_(1)
-        inducing_points = self.inducing_points
-        if inducing_points.shape[:-2] != x.shape[:-2]:
-            x, inducing_points = self._expand_inputs(x, inducing_points)
-        return Module.__call__(self, x, inducing_points, diag=diag, **kwargs)

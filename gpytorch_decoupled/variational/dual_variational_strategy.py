@@ -5,19 +5,20 @@ from typing import NamedTuple
 import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.models import ApproximateGP
-from gpytorch.module import Module
 from gpytorch.utils.memoize import (
     _add_to_cache_ignore_args,
     _get_from_cache_ignore_args,
     _is_in_cache_ignore_args,
     cached,
 )
+from gpytorch.variational import IndependentMultitaskVariationalStrategy
 from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator, RootLinearOperator
 from torch import Tensor
 
 from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower
 from ._cache_safe_mixin import _CacheSafeMixin
+from ._direct_call_mixin import _DirectCallMixin
 from ._input_checks import checked_inputs
 from .dual_variational_distribution import DualVariationalDistribution
 
@@ -45,7 +46,7 @@ class DualSiteStatistics(NamedTuple):
     factors: DualPosteriorFactors  # q(u) before the step
 
 
-class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
+class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStrategy):
     r"""
     The dual parameterization of SVGP, t-SVGP (`Adam et al. (2021)`_): :math:`q(\mathbf u)` is the prior
     :math:`\mathcal N(\mathbf 0, \mathbf K_{\mathbf{uu}})` times the Gaussian sites of a
@@ -142,6 +143,26 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
                 f"points, but {inducing_points.size(-2)} were given."
             )
         super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
+
+    @staticmethod
+    def of_model(model: ApproximateGP, user: str) -> tuple[DualVariationalStrategy, int | None]:
+        r"""
+        The dual strategy of :attr:`model` (its own, or the base of an independent multitask wrapper) and the
+        wrapper's task dimension (``None`` without a wrapper).
+
+        :param model: The model whose strategy is sought.
+        :param user: The class asking, named in the error.
+        :raises TypeError: If the model's strategy is neither.
+        """
+        strategy, task_dim = model.variational_strategy, None
+        if isinstance(strategy, IndependentMultitaskVariationalStrategy):
+            strategy, task_dim = strategy.base_variational_strategy, strategy.task_dim
+        if not isinstance(strategy, DualVariationalStrategy):
+            raise TypeError(
+                f"{user} needs a model whose variational strategy is a DualVariationalStrategy (optionally inside an "
+                f"IndependentMultitaskVariationalStrategy), got {type(model.variational_strategy).__name__}."
+            )
+        return strategy, task_dim
 
     # ------------------------------------------------------------------ q(u)
     @property
@@ -333,17 +354,6 @@ class DualVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
             whitened_cross,
             factors,
         )
-
-    def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
-        x = checked_inputs(x, self.inducing_points, self.model)
-        if prior:
-            return self.model.forward(x, **kwargs)
-        if self.training:
-            self._clear_cache()
-        # The sites start at the prior on construction; record the first call as GPyTorch's strategies do, without
-        # resetting sites that were set (or loaded) before it.
-        self.variational_params_initialized.fill_(1)
-        return Module.__call__(self, x, self.inducing_points, diag=diag, **kwargs)
 
 
 def _marginal_variances(data_covariance, whitened_cross: Tensor, reduced_cross: Tensor) -> Tensor:

@@ -4,7 +4,6 @@ import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ApproximateGP
-from gpytorch.module import Module
 from gpytorch.utils.memoize import (
     _add_to_cache_ignore_args,
     _get_from_cache_ignore_args,
@@ -17,6 +16,7 @@ from torch import Tensor
 
 from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower
 from ._cache_safe_mixin import _CacheSafeMixin
+from ._direct_call_mixin import _DirectCallMixin
 from ._input_checks import checked_inputs
 from ._kalman_state import _KalmanState
 from ._kalman_terms import (
@@ -29,7 +29,7 @@ from ._kalman_terms import (
 )
 
 
-class KalmanVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
+class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStrategy):
     r"""
     The recursive (Kalman-filter) sparse GP of `Schuerch et al. (2020)`_: the posterior of the inducing values
     :math:`\mathbf u = f(\mathbf Z)` is computed in closed form, one mini-batch at a time, with :meth:`update`, for a
@@ -391,15 +391,3 @@ class KalmanVariationalStrategy(_CacheSafeMixin, _VariationalStrategy):
         left = torch.cat([posterior_root, prior_root.neg()], dim=-2).mT.to(dtype)
         right = torch.cat([posterior_root, prior_root], dim=-2).to(dtype)
         return MultivariateNormal(mean, data_covariance + MatmulLinearOperator(left, right))
-
-    def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
-        x = checked_inputs(x, self.inducing_points, self.model)
-        if prior:
-            return self.model.forward(x, **kwargs)
-        if self.training:
-            self._clear_cache()
-        self.variational_params_initialized.fill_(1)
-        inducing_points = self.inducing_points
-        if inducing_points.shape[:-2] != x.shape[:-2]:
-            x, inducing_points = self._expand_inputs(x, inducing_points)
-        return Module.__call__(self, x, inducing_points, diag=diag, **kwargs)
