@@ -4,7 +4,7 @@ Decoupled, orthogonally decoupled, dual-parameterized (t-SVGP) and Kalman-recurs
 variational Bayesian kernel selection, as drop-in parts of :class:`gpytorch.models.ApproximateGP`.
 """
 
-from . import datasets, kernels, linalg, mlls, models, optim, variational
+from . import datasets, distributed, kernels, linalg, mlls, models, optim, variational
 from .version import __version__
 
-__all__ = ["datasets", "kernels", "linalg", "mlls", "models", "optim", "variational", "__version__"]
+__all__ = ["datasets", "distributed", "kernels", "linalg", "mlls", "models", "optim", "variational", "__version__"]

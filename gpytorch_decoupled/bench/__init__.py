@@ -10,6 +10,7 @@ from .baselines_benchmark import BASELINES
 from .benchmark import Benchmark
 from .decoupled_accuracy_benchmark import DECOUPLED_ACCURACY
 from .decoupled_speed_benchmark import DECOUPLED_SPEED
+from .distributed_benchmark import DISTRIBUTED
 from .dual_benchmark import DUAL
 from .method_result import MethodResult
 from .methods import METHODS, Method, build_method
@@ -29,6 +30,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         DECOUPLED_ACCURACY,
         DUAL,
         RECURSIVE,
+        DISTRIBUTED,
     )
 }
 

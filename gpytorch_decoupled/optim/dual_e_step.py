@@ -187,14 +187,24 @@ class DualEStep(torch.optim.Optimizer):
         lr = self.param_groups[0]["lr"]
         site_mean, site_precision = distribution()
         if distribution.per_datum:
+            indices, first_target, second_target = self._combined_datum_targets(indices, first_target, second_target)
             new_mean = site_mean.index_copy(-1, indices, (1 - lr) * site_mean[..., indices] + lr * first_target)
             new_precision = site_precision.index_copy(
                 -1, indices, (1 - lr) * site_precision[..., indices] + lr * second_target
             )
         else:
-            scale = lr * self.num_data / x.size(0)
+            whitened_cross = statistics.whitened_cross
+            whitened_mean_sum, whitened_gram, batch_size = self._combined_sums(
+                (whitened_cross @ first_target.unsqueeze(-1)).squeeze(-1),
+                _weighted_gram(whitened_cross, second_target),
+                x.size(0),
+            )
+            # Projecting the batch's own columns is cheaper than two M x M solves when B < M; it needs the sums to be
+            # this batch's alone (not combined with other processes' batches).
+            own_columns = (whitened_cross, second_target) if batch_size == x.size(0) else None
+            scale = lr * self.num_data / batch_size
             mean_increment, precision_increment, new_factors = self._site_increments(
-                statistics, first_target, second_target, lr, scale
+                statistics.factors, whitened_mean_sum, whitened_gram, lr, scale, own_columns
             )
             new_mean = (1 - lr) * site_mean + scale * mean_increment
             new_precision = (1 - lr) * site_precision + scale * precision_increment
@@ -205,23 +215,44 @@ class DualEStep(torch.optim.Optimizer):
             state = {name: value.detach().clone() for name, value in self._model_state().items()}
             self._last_factors = (state, new_factors)
 
+    def _combined_sums(
+        self, whitened_mean_sum: Tensor, whitened_gram: Tensor, batch_size: int
+    ) -> tuple[Tensor, Tensor, int]:
+        r"""
+        The step's additive statistics :math:`\mathbf W\mathbf g_1`, :math:`\mathbf W\mathbf G\mathbf W^\top` and
+        :math:`B`, summed over every process that takes this step together: here, one process, so unchanged;
+        :class:`~gpytorch_decoupled.distributed.DistributedEStep` all-reduces them, which gives exactly the step of
+        one process at the union of the batches.
+        """
+        return whitened_mean_sum, whitened_gram, batch_size
+
+    def _combined_datum_targets(
+        self, indices: Tensor, first_target: Tensor, second_target: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        r"""The per-datum sites' targets :math:`g_{1,i}, g_{2,i}` and their indices, gathered from every process that
+        takes this step together (one process here; see :meth:`_combined_sums`)."""
+        return indices, first_target, second_target
+
     @staticmethod
     def _site_increments(
-        statistics: DualSiteStatistics, first_target: Tensor, second_target: Tensor, lr: float, scale: float
+        factors: DualPosteriorFactors,
+        whitened_mean_sum: Tensor,
+        whitened_gram: Tensor,
+        lr: float,
+        scale: float,
+        own_columns: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, DualPosteriorFactors]:
         r"""
         :math:`\sum_i\mathbf a_i g_{1,i}` and :math:`\sum_i g_{2,i}\mathbf a_i\mathbf a_i^\top` with
         :math:`\mathbf a_i = \mathbf L_K^{-\top}\mathbf w_i`, and the factors of the new :math:`q`, after checking that
-        the step keeps :math:`q` positive definite. In whitened coordinates the step is
+        the step keeps :math:`q` positive definite, from the whitened sums :math:`\mathbf W\mathbf g_1` and
+        :math:`\mathbf W\mathbf G\mathbf W^\top`. In whitened coordinates the step is
         :math:`\mathbf h \leftarrow (1-r)\mathbf h + rs\mathbf W\mathbf g_1` and
-        :math:`\mathbf P \leftarrow (1-r)\mathbf P + rs\mathbf W\mathbf G\mathbf W^\top`; when :math:`B \ge M` the
-        whitened sum is mapped back to u-space with two :math:`M \times M` triangular solves (:math:`O(M^3)`) instead
-        of forming the projections (:math:`O(BM^2)` twice).
+        :math:`\mathbf P \leftarrow (1-r)\mathbf P + rs\mathbf W\mathbf G\mathbf W^\top`; the whitened sum is mapped
+        back to u-space with two :math:`M \times M` triangular solves (:math:`O(M^3)`), or, given the batch's own
+        columns :math:`(\mathbf W, \mathbf g_2)` with :math:`B < M`, by forming the projections (:math:`O(BM^2)`).
         """
-        factors, whitened_cross = statistics.factors, statistics.whitened_cross
         prior_chol = factors.prior_cholesky
-        whitened_gram = _weighted_gram(whitened_cross, second_target)
-        whitened_mean_sum = (whitened_cross @ first_target.unsqueeze(-1)).squeeze(-1)
         # q exists only while H = I + P stays positive definite (P is PSD by construction, up to rounding).
         precision = (1 - lr) * factors.whitened_site_precision + scale * whitened_gram
         # (a copy: .double() of a float64 tensor is the tensor itself)
@@ -239,10 +270,11 @@ class DualEStep(torch.optim.Optimizer):
         new_factors = DualPosteriorFactors(prior_chol, precision, inner_chol, site_mean, whitened_mean)
 
         mean_increment = solve_lower_transpose(prior_chol, whitened_mean_sum.unsqueeze(-1)).squeeze(-1)
-        if whitened_cross.size(-1) >= whitened_cross.size(-2):
+        if own_columns is None or own_columns[0].size(-1) >= own_columns[0].size(-2):
             half = solve_lower_transpose(prior_chol, whitened_gram)  # L_K^-T W G W^T
             precision_increment = solve_lower_transpose(prior_chol, half.mT).mT
             return mean_increment, 0.5 * (precision_increment + precision_increment.mT), new_factors
+        whitened_cross, second_target = own_columns
         projections = solve_lower_transpose(prior_chol, whitened_cross)
         return mean_increment, _weighted_gram(projections, second_target), new_factors
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 from gpytorch.likelihoods import GaussianLikelihood
@@ -108,6 +109,14 @@ class StreamingCollapsedBound:
             per latent.
         :raises RuntimeError: If the second pass sees other data than the first.
         """
+        statistics = self._first_pass(batches)
+        vector_adjoint, matrix_adjoint, tail = self._tail(statistics)
+        self._second_pass(batches, statistics, vector_adjoint, matrix_adjoint)
+        return self._loss(statistics.offsets, tail)
+
+    def _first_pass(self, batches: Batches) -> _Statistics:
+        r"""Pass 1: :math:`\tilde{\boldsymbol\eta}`, :math:`\tilde{\boldsymbol\Lambda}`, :math:`\sum_k c_k` and the
+        number of points, without a graph."""
         strategy = self.strategy
         vector = matrix = offsets = None
         count = 0
@@ -125,15 +134,29 @@ class StreamingCollapsedBound:
                 count += x.size(-2)
         if vector is None:
             raise ValueError("no mini-batches were given.")
+        return _Statistics(vector, matrix, offsets, count)
 
-        vector.requires_grad_(True)
-        matrix.requires_grad_(True)
+    def _tail(self, statistics: _Statistics, parameters: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        r"""
+        :math:`F` at the statistics, back-propagated: returns the adjoints :math:`\bar{\boldsymbol\eta}`,
+        :math:`\bar{\boldsymbol\Lambda}` and :math:`F` (detached), and accumulates :math:`-\partial F/\partial\theta`
+        (through :math:`\mathbf K_{\mathbf{uu}}`) into the parameters' ``.grad`` unless ``parameters`` is false.
+        """
+        vector = statistics.vector.detach().requires_grad_(True)
+        matrix = statistics.matrix.detach().requires_grad_(True)
         with torch.enable_grad():
-            tail = strategy._collapsed_bound_tail(vector, matrix)
-            tail.sum().neg().backward()
-        vector_adjoint, matrix_adjoint = vector.grad.neg(), matrix.grad.neg()
+            tail = self.strategy._collapsed_bound_tail(vector, matrix)
+            tail.sum().neg().backward(inputs=None if parameters else [vector, matrix])
+        return vector.grad.neg(), matrix.grad.neg(), tail.detach()
 
-        seen, repeated_offsets = 0, torch.zeros_like(offsets)
+    def _second_pass(
+        self, batches: Batches, statistics: _Statistics, vector_adjoint: Tensor, matrix_adjoint: Tensor
+    ) -> None:
+        r"""Pass 2: back-propagates every mini-batch's :math:`c_k + \langle\bar{\boldsymbol\eta},
+        \Delta\tilde{\boldsymbol\eta}_k\rangle + \langle\bar{\boldsymbol\Lambda}, \Delta\tilde{\boldsymbol
+        \Lambda}_k\rangle`, checking that it sees the data of the first pass (``statistics``)."""
+        strategy = self.strategy
+        seen, repeated_offsets = 0, torch.zeros_like(statistics.offsets)
         for x, y in self._iterate(batches):
             x, y = strategy._checked_data(x, y)
             with torch.enable_grad():
@@ -147,12 +170,24 @@ class StreamingCollapsedBound:
                     contribution.sum().neg().backward()
             repeated_offsets += terms.offset.detach()
             seen += x.size(-2)
-        if seen != count or not torch.allclose(repeated_offsets, offsets, rtol=1e-8, atol=1e-8):
+        if seen != statistics.count or not torch.allclose(repeated_offsets, statistics.offsets, rtol=1e-8, atol=1e-8):
             raise RuntimeError(
                 "the second pass over the mini-batches saw other data than the first (a different number of points, "
                 "other values, or for PITC another partition); the accumulated gradients are wrong."
             )
-        bound = offsets + tail.detach()
-        dtype = strategy.inducing_points.dtype
+
+    def _loss(self, offsets: Tensor, tail: Tensor) -> Tensor:
+        r"""Sets :attr:`bound` (:math:`\mathcal L` per latent) and returns the loss :math:`-\mathcal L`."""
+        bound = offsets + tail
+        dtype = self.strategy.inducing_points.dtype
         self.bound = bound.to(dtype)
         return bound.sum().neg().to(dtype)
+
+
+class _Statistics(NamedTuple):
+    r"""What pass 1 accumulates (float64, no graph)."""
+
+    vector: Tensor  # eta~, (..., M)
+    matrix: Tensor  # Lambda~ - K_uu, (..., M, M)
+    offsets: Tensor  # sum_k c_k, (...)
+    count: int  # points seen
