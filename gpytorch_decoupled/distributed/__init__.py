@@ -8,6 +8,8 @@ all-reduce per step makes every rank's state that of one process stepping at the
 - :class:`DistributedEStep`: the t-SVGP E-step, with its site statistics summed.
 - :class:`DistributedKalmanUpdate` and :class:`DistributedCollapsedBound`: the Kalman information-form update and the
   collapsed bound's exact gradient, with their information statistics summed.
+- :func:`all_reduce_local_elbos`: the optimized local ELBOs of kernel selection over sharded data, so every rank
+  fits the same kernel belief.
 - :class:`ShardedBatches`: the shard of a data set each rank reads (``DistributedSampler``), so that each step's
   batches together are the single-process batch.
 - :func:`broadcast_state`: rank 0's parameters and buffers on every rank (the helpers call it when built).
@@ -17,6 +19,7 @@ all-reduce per step makes every rank's state that of one process stepping at the
 ``torchrun --nproc_per_node=2 -m gpytorch_decoupled.distributed.example`` runs the example.
 """
 
+from .all_reduce_local_elbos import all_reduce_local_elbos
 from .broadcast_state import broadcast_state
 from .distributed_collapsed_bound import DistributedCollapsedBound
 from .distributed_e_step import DistributedEStep
@@ -33,6 +36,7 @@ __all__ = [
     "DistributedStepError",
     "GradientAllReduce",
     "ShardedBatches",
+    "all_reduce_local_elbos",
     "broadcast_state",
     "init_process_group",
 ]

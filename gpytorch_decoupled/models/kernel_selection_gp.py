@@ -233,6 +233,22 @@ class KernelSelectionGP(Module):
         return trace
 
     @torch.no_grad()
+    def summed_local_elbo_terms(self, x: Tensor, y: Tensor, batch_size: int = 1024) -> tuple[Tensor, Tensor]:
+        r"""
+        The expected log-likelihood summed over the rows given, :math:`\sum_i\mathbb E_{q(f_i)}[\log p(y_i \mid
+        f_i)]`, by one pass in blocks of ``batch_size``, and :math:`\mathrm{KL}_c`, each of shape ``(C,)``: the
+        additive statistics of :math:`\mathcal L^*_c` (summed over shards by
+        :func:`~gpytorch_decoupled.distributed.all_reduce_local_elbos`). Runs in training mode.
+        """
+        x, y = self._checked_data(x, y)
+        self.train()
+        expected_log_likelihood = 0.0
+        for start in range(0, y.size(-1), batch_size):
+            block = slice(start, start + batch_size)
+            ell, kl = self.local_elbo_terms(x[block], y[block], y[block].size(-1))
+            expected_log_likelihood = expected_log_likelihood + ell
+        return expected_log_likelihood, kl
+
     def estimate_local_elbos(self, x: Tensor, y: Tensor, batch_size: int = 1024) -> Tensor:
         r"""
         :math:`\mathcal L^*_c` on the whole data set, by one pass in blocks of ``batch_size`` (exact for point
@@ -241,21 +257,19 @@ class KernelSelectionGP(Module):
 
         :return: The local ELBOs, shape ``(C,)``.
         """
-        x, y = self._checked_data(x, y)
-        num_data = y.size(-1)
-        self.train()
-        expected_log_likelihood = 0.0
-        for start in range(0, num_data, batch_size):
-            block = slice(start, start + batch_size)
-            ell, kl = self.local_elbo_terms(x[block], y[block], num_data)
-            expected_log_likelihood = expected_log_likelihood + ell * (y[block].size(-1) / num_data)
-        estimates = expected_log_likelihood - kl
-        if not torch.isfinite(estimates).all():
-            raise RuntimeError(
-                f"non-finite local ELBOs for {[self.names[i] for i in (~estimates.isfinite()).nonzero()]}."
-            )
-        self.local_elbo_estimates.copy_(estimates)
-        return estimates
+        expected_log_likelihood, kl = self.summed_local_elbo_terms(x, y, batch_size)
+        return self.store_local_elbos(expected_log_likelihood - kl)
+
+    def store_local_elbos(self, local_elbos: Tensor) -> Tensor:
+        r"""Checks and stores :math:`\mathcal L^*_c` for :meth:`fit_kernel_belief` and :meth:`predict`."""
+        local_elbos = torch.as_tensor(local_elbos).detach()
+        if local_elbos.shape != (self.num_candidates,):
+            raise ValueError(f"local ELBOs must have shape ({self.num_candidates},), got {tuple(local_elbos.shape)}.")
+        if not torch.isfinite(local_elbos).all():
+            failed = [self.names[i] for i in (~local_elbos.isfinite()).nonzero().flatten().tolist()]
+            raise RuntimeError(f"non-finite local ELBOs for {failed}.")
+        self.local_elbo_estimates.copy_(local_elbos)
+        return local_elbos
 
     def fit_kernel_belief(self, local_elbos: Tensor | None = None, elbo_scale: float = 1.0) -> KernelPosterior:
         r"""
@@ -264,7 +278,7 @@ class KernelSelectionGP(Module):
         """
         local_elbos = self._stored_local_elbos() if local_elbos is None else local_elbos
         self.kernel_belief.fit(local_elbos, elbo_scale=elbo_scale)
-        self.local_elbo_estimates.copy_(torch.as_tensor(local_elbos).detach())
+        self.store_local_elbos(local_elbos)
         self.elbo_scale.fill_(elbo_scale)
         return self.kernel_posterior()
 

@@ -27,8 +27,8 @@ def _assert_stopped_by_the_collective(record: dict) -> None:
 
 
 def test_errors_on_one_rank_a_resumed_run_and_a_hung_rank(tmp_path):
-    # The collective timeout is 1 s; the hung rank answers only after rank 0 has given up.
-    results = run_ranks("tests.distributed._faults:faults", 2, tmp_path, timeout_seconds=1.0)
+    # The collective timeout is 8 s (room for a loaded CI machine); the hung rank answers only after rank 0 gave up.
+    results = run_ranks("tests.distributed._faults:faults", 2, tmp_path, timeout_seconds=8.0)
     errors = [result["errors"] for result in results]
 
     # An error or a NaN on one rank: every rank raises the same error, naming the rank and its reason.
@@ -55,7 +55,7 @@ def test_errors_on_one_rank_a_resumed_run_and_a_hung_rank(tmp_path):
     # A hung rank stops the others after the timeout.
     assert "hung_rank" not in results[1]  # it never came back
     _assert_stopped_by_the_collective(results[0]["hung_rank"])
-    assert 0.9 < results[0]["hung_rank"]["seconds"] < 30.0
+    assert 7.9 < results[0]["hung_rank"]["seconds"] < 40.0
 
 
 def test_a_dead_rank_stops_the_others_at_once(tmp_path):
