@@ -12,6 +12,7 @@ from .decoupled_accuracy_benchmark import DECOUPLED_ACCURACY
 from .decoupled_speed_benchmark import DECOUPLED_SPEED
 from .distributed_benchmark import DISTRIBUTED
 from .dual_benchmark import DUAL
+from .kernel_selection_benchmark import KERNEL_SELECTION
 from .method_result import MethodResult
 from .methods import METHODS, Method, build_method
 from .orthogonal_accuracy_benchmark import ORTHOGONAL_ACCURACY
@@ -30,6 +31,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         DECOUPLED_ACCURACY,
         DUAL,
         RECURSIVE,
+        KERNEL_SELECTION,
         DISTRIBUTED,
     )
 }
