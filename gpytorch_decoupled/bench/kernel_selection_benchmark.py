@@ -415,7 +415,7 @@ def _co2_repeat(args, config: RunConfig, data: datasets.Split, space: KernelSpac
         "top5_periodic": [_has_periodic(name) for name in top5],
         "posterior": {name: float(p) for name, p in zip(posterior.names, posterior.probabilities)},
         "candidates": {name: candidates[c] for c, name in enumerate(model.names)},
-        "oracle_best_rmse_kernel": min(model.names, key=lambda name: candidates[model.names.index(name)]["rmse"]),
+        "oracle_best_rmse_kernel": model.names[min(range(len(space)), key=lambda c: candidates[c]["rmse"])],
         "belief_retries": retries + bma_retries,
         "forecast": {
             "mean": data.unstandardize_y(bma.mean).tolist(),
