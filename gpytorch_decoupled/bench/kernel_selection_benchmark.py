@@ -61,10 +61,11 @@ kernels (spec C.1, pruning: :math:`q(g)` re-fitted on them, prior :math:`\\mathc
    :math:`-\\frac1{n_*}\\sum\\log p(y_*)`) of the BMA predictive (top 10) against the most probable kernel, the single
    candidate with the best test NLL (an oracle choice), and the SVGP baselines.
 
-Library issues worked around here (see the module's helpers): ``KernelBelief.fit`` can diverge (its L-BFGS line
-search overflows after a near-singular curvature pair) for some local ELBOs and temperatures, and then raises; the
-benchmark retries with fewer L-BFGS iterations and counts the retries (``belief_retries``). A single candidate's
-predictive has no public accessor: it is read from ``model.likelihood(model.candidates(x))`` in eval mode.
+A guard kept from before ``KernelBelief.fit`` started from several points: should every start of a belief fit
+diverge (the L-BFGS line search overflowing after a near-singular curvature pair; it then raises and leaves the belief
+unchanged), the benchmark retries with fewer L-BFGS iterations and counts the retries (``belief_retries``). Every
+candidate's own predictive is read in one batched call, ``model.likelihood(model.candidates(x))`` in eval mode (what
+``model.predict(x, candidates=[c])`` returns for one candidate).
 
 The shared run options apply as follows: ``--seed``, ``--dtype`` (default float64), ``--device`` and ``--no-progress``
 to every part; ``--lr`` to parts 1 and 3; ``--warmup`` to part 2; ``--iterations``, ``--batch-size``, ``--split``,

@@ -112,24 +112,51 @@ class KernelBelief(Module):
         expected = (self.softmax_samples() * local_elbos).sum(-1).mean()
         return elbo_scale * expected - self.kl_divergence()
 
-    def fit(self, local_elbos: Tensor, elbo_scale: float = 1.0, max_iterations: int = 100) -> None:
+    def fit(self, local_elbos: Tensor, elbo_scale: float = 1.0, max_iterations: int = 100, num_starts: int = 4) -> None:
         r"""
-        Maximizes :math:`F` over :math:`(m_g, L_g)` by L-BFGS with a strong Wolfe line search, from
-        :math:`q(g) = \mathcal N(0, I)` as the reference code does (so the result depends only on the arguments).
-        The largest local ELBO is subtracted first: :math:`\sum_c\mathrm{softmax}_c = 1` makes that a constant shift
-        of :math:`F`, and it keeps the line search well scaled.
+        Maximizes :math:`F` over :math:`(m_g, L_g)` by L-BFGS with a strong Wolfe line search. :math:`F` is not concave
+        in :math:`m_g`: with near-tied leading kernels it has one mode per leader, and where L-BFGS lands depends on
+        its start. So it runs from several starts and keeps the best objective: :math:`q(g) = \mathcal N(0, I)` (the
+        reference code's start) and :math:`m_g = 3\,\mathbf e_c` for each of the ``num_starts - 1`` largest local
+        ELBOs (always with :math:`L_g = I`), so the result depends only on the arguments. The largest local ELBO is
+        subtracted first: :math:`\sum_c\mathrm{softmax}_c = 1` makes that a constant shift of :math:`F`, and it keeps
+        the line search well scaled. A start whose iterates leave the finite range is dropped.
 
         :param local_elbos: :math:`\mathcal L^*_c`, shape ``(C,)`` (as from
             :meth:`~gpytorch_decoupled.models.KernelSelectionGP.estimate_local_elbos`).
         :param elbo_scale: Temperature :math:`\rho`.
-        :param max_iterations: L-BFGS iterations.
+        :param max_iterations: L-BFGS iterations per start.
+        :param num_starts: Number of starts (at least 1).
+        :raises RuntimeError: If every start diverges (the belief is then left unchanged).
         """
         if not elbo_scale > 0:
             raise ValueError(f"elbo_scale must be positive, got {elbo_scale}.")
+        if num_starts < 1:
+            raise ValueError(f"num_starts must be at least 1, got {num_starts}.")
         centred = self._checked_local_elbos(local_elbos).detach()
         centred = centred - centred.max()
-        previous = [parameter.detach().clone() for parameter in (self.mean, self.raw_scale_tril)]
-        self.reset_parameters()
+        parameters = (self.mean, self.raw_scale_tril)
+        best, best_value = [parameter.detach().clone() for parameter in parameters], -math.inf
+        leaders = torch.argsort(centred, descending=True)[: num_starts - 1].tolist()
+        for leader in [None, *leaders]:
+            self.reset_parameters()
+            if leader is not None:
+                with torch.no_grad():
+                    self.mean[leader] = 3.0
+            value = self._maximize(centred, elbo_scale, max_iterations)
+            if value > best_value:
+                best, best_value = [parameter.detach().clone() for parameter in parameters], value
+        with torch.no_grad():
+            for parameter, value in zip(parameters, best):
+                parameter.copy_(value)
+        if best_value == -math.inf:
+            raise RuntimeError(
+                "the kernel-belief optimization diverged from every start (belief left unchanged); try a smaller "
+                "elbo_scale."
+            )
+
+    def _maximize(self, centred: Tensor, elbo_scale: float, max_iterations: int) -> float:
+        """L-BFGS from the current parameters; the final objective, or -inf if the iterates left the finite range."""
         optimizer = torch.optim.LBFGS(
             [self.mean, self.raw_scale_tril],
             max_iter=max_iterations,
@@ -147,13 +174,9 @@ class KernelBelief(Module):
         with torch.enable_grad():
             optimizer.step(closure)
         self.mean.grad = self.raw_scale_tril.grad = None
-        if not (torch.isfinite(self.mean).all() and torch.isfinite(self.raw_scale_tril).all()):
-            with torch.no_grad():
-                self.mean.copy_(previous[0])
-                self.raw_scale_tril.copy_(previous[1])
-            raise RuntimeError(
-                "the kernel-belief optimization diverged (belief left unchanged); try a smaller elbo_scale."
-            )
+        with torch.no_grad():
+            value = self.objective(centred, elbo_scale)
+        return float(value) if torch.isfinite(value) and torch.isfinite(self.raw_scale_tril).all() else -math.inf
 
     def _checked_local_elbos(self, local_elbos: Tensor) -> Tensor:
         local_elbos = torch.as_tensor(local_elbos, dtype=self.mean.dtype, device=self.mean.device)

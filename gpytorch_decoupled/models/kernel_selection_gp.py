@@ -288,7 +288,13 @@ class KernelSelectionGP(Module):
         return KernelPosterior(self.names, self.kernel_belief.probabilities())
 
     @torch.no_grad()
-    def predict(self, x: Tensor, top: int | None = 10, observation_noise: bool = True) -> GaussianMixturePredictive:
+    def predict(
+        self,
+        x: Tensor,
+        top: int | None = 10,
+        observation_noise: bool = True,
+        candidates: Sequence[int | str] | None = None,
+    ) -> GaussianMixturePredictive:
         r"""
         The BMA predictive (eqs. 14-15) over the ``top`` most probable kernels, as the paper's pruning: :math:`q(g)`
         is re-fitted on that subset from the stored local ELBOs and temperature, and its kernel posterior weighs the
@@ -298,18 +304,27 @@ class KernelSelectionGP(Module):
         :param x: Test inputs, shape ``(n_*, d)``.
         :param top: Number of kernels mixed (``None``: all, with the full :math:`q(g)`).
         :param observation_noise: Predict :math:`y_*` (else :math:`f_*`).
+        :param candidates: Mix these candidates (indices or names) instead of the ``top`` ones, with :math:`q(g)`
+            re-fitted on them; one candidate gives its own predictive.
         :return: A :class:`GaussianMixturePredictive` with batch shape ``(n_*,)``.
         """
         x = checked_inputs(x, self.candidates.variational_strategy.inducing_points, self)
         if observation_noise and not isinstance(self.likelihood, _GaussianLikelihoodBase):
             raise ValueError("observation_noise=True needs a Gaussian likelihood; use observation_noise=False.")
         local_elbos = self._stored_local_elbos()
-        if top is None or top >= self.num_candidates:
-            indices, weights = torch.arange(self.num_candidates), self.kernel_belief.probabilities()
+        if candidates is not None:
+            indices = torch.tensor([self._candidate_index(candidate) for candidate in candidates], dtype=torch.long)
+            if not 0 < indices.numel() == indices.unique().numel():
+                raise ValueError(f"candidates must name distinct kernels, got {list(candidates)}.")
+        elif top is None or top >= self.num_candidates:
+            indices = None
         else:
             indices = self.kernel_posterior().indices[:top]
+        if indices is None:
+            indices, weights = torch.arange(self.num_candidates), self.kernel_belief.probabilities()
+        else:
             belief = KernelBelief(
-                top, self.kernel_belief.prior_variance, num_samples=self.kernel_belief.draws.size(0)
+                indices.numel(), self.kernel_belief.prior_variance, num_samples=self.kernel_belief.draws.size(0)
             ).to(local_elbos)
             with torch.enable_grad():
                 belief.fit(local_elbos[indices], elbo_scale=float(self.elbo_scale))
@@ -366,6 +381,13 @@ class KernelSelectionGP(Module):
             else:
                 raise ValueError(f"hyperparameter {name} of shape {tuple(value.shape)} has no batch of candidates.")
         return owners
+
+    def _candidate_index(self, candidate: int | str) -> int:
+        if isinstance(candidate, str):
+            return self.kernel_space.index(candidate)
+        if not -self.num_candidates <= int(candidate) < self.num_candidates:
+            raise IndexError(f"candidate {candidate} is out of range for {self.num_candidates} candidates.")
+        return int(candidate) % self.num_candidates
 
     def _stored_local_elbos(self) -> Tensor:
         if not torch.isfinite(self.local_elbo_estimates).all():

@@ -127,3 +127,20 @@ def test_invalid_construction():
         KernelBelief(3, num_samples=5)
     with pytest.raises(ValueError, match="positive"):
         KernelBelief(3, prior_variance=0.0)
+
+
+def test_multiple_starts_find_the_better_mode_among_near_tied_leaders():
+    # local ELBOs of 14 kernels on elevators (near-tied leaders at 0, 4 and 10): from the reference start alone,
+    # L-BFGS settles on the mode of kernel 0; the leader starts find the higher objective, on the best kernel 10
+    local_elbos = torch.tensor(
+        [-8093.36, -8282.17, -13230.37, -8130.75, -8092.24, -18201.64, -8398.29, -16634.66, -16156.58, -8283.84,
+         -8081.80, -10678.27, -8752.78, -11089.75],
+        dtype=torch.float64,
+    )  # fmt: skip
+    objectives = {}
+    for num_starts in (1, 4):
+        belief = _belief(14)
+        belief.fit(local_elbos, elbo_scale=0.03427, num_starts=num_starts)
+        objectives[num_starts] = belief.objective(local_elbos, elbo_scale=0.03427).item()
+    assert objectives[4] > objectives[1] + 0.1
+    assert belief.probabilities().argmax().item() == 10

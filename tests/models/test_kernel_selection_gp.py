@@ -298,3 +298,20 @@ def test_data_from_a_composite_kernel_put_most_posterior_mass_on_it():
     posterior = model.kernel_posterior()
     assert posterior.names[0] == "SE + PER"
     assert posterior.probabilities[0] > 0.9
+
+
+def test_predict_chosen_candidates():
+    x, y = _data()
+    model = _model(["SE", "PER", "SE + PER"])
+    model.estimate_local_elbos(x, y)
+    model.fit_kernel_belief(elbo_scale=1 / N)
+    x_test = torch.linspace(0, 4, 5, dtype=torch.float64).unsqueeze(-1)
+    single = model.predict(x_test, candidates=["PER"])
+    with torch.no_grad():
+        expected = model.likelihood(model.candidates(x_test))
+    assert torch.allclose(single.mean, expected.mean[1], rtol=1e-12)
+    assert torch.allclose(single.variance, expected.variance[1], rtol=1e-12)
+    pair = model.predict(x_test, candidates=[0, "SE + PER"])
+    assert pair.weights.shape == (2,) and torch.allclose(pair.weights.sum(), torch.ones((), dtype=torch.float64))
+    with pytest.raises(ValueError, match="distinct"):
+        model.predict(x_test, candidates=[0, "SE"])
