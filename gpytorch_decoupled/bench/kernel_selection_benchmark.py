@@ -61,11 +61,8 @@ kernels (spec C.1, pruning: :math:`q(g)` re-fitted on them, prior :math:`\\mathc
    :math:`-\\frac1{n_*}\\sum\\log p(y_*)`) of the BMA predictive (top 10) against the most probable kernel, the single
    candidate with the best test NLL (an oracle choice), and the SVGP baselines.
 
-A guard kept from before ``KernelBelief.fit`` started from several points: should every start of a belief fit
-diverge (the L-BFGS line search overflowing after a near-singular curvature pair; it then raises and leaves the belief
-unchanged), the benchmark retries with fewer L-BFGS iterations and counts the retries (``belief_retries``). Every
-candidate's own predictive is read in one batched call, ``model.likelihood(model.candidates(x))`` in eval mode (what
-``model.predict(x, candidates=[c])`` returns for one candidate).
+Every candidate's own predictive is read in one batched call, ``model.likelihood(model.candidates(x))`` in eval mode
+(what ``model.predict(x, candidates=[c])`` returns for one candidate).
 
 The shared run options apply as follows: ``--seed``, ``--dtype`` (default float64), ``--device`` and ``--no-progress``
 to every part; ``--lr`` to parts 1 and 3; ``--warmup`` to part 2; ``--iterations``, ``--batch-size``, ``--split``,
@@ -254,55 +251,12 @@ def resolve_profile(args: argparse.Namespace) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------------- shared helpers
-def fit_belief(belief: KernelBelief, local_elbos: Tensor, elbo_scale: float) -> int:
-    """:meth:`KernelBelief.fit`, retried with fewer L-BFGS iterations when it diverges (it then raises and leaves the
-    belief unchanged; a library issue, see the module description). Returns the number of retries."""
-    for retries, iterations in enumerate((100, 50, 25, 12, 6)):
-        try:
-            belief.fit(local_elbos, elbo_scale=elbo_scale, max_iterations=iterations)
-            return retries
-        except RuntimeError as error:
-            last = error
-    raise last
-
-
-def fit_stage(model: KernelSelectionGP, x: Tensor, y: Tensor, elbo_scale: float, **fit_options) -> int:
-    """``model.fit`` on ``(x, y)`` with the temperature ``elbo_scale``; if its final :math:`q(g)` fit diverges (the
-    local ELBOs are stored by then), :math:`q(g)` is re-fitted by :func:`fit_belief`. Returns the number of retries."""
-    try:
-        model.fit(x, y, elbo_scale=elbo_scale, **fit_options)
-        return 0
-    except RuntimeError as error:
-        if "kernel-belief" not in str(error):
-            raise
-    retries = 1 + fit_belief(model.kernel_belief, model.local_elbo_estimates, elbo_scale)
-    model.elbo_scale.fill_(elbo_scale)
-    return retries
-
-
 @torch.no_grad()
 def candidate_marginals(model: KernelSelectionGP, x: Tensor) -> tuple[Tensor, Tensor]:
     """Every candidate's predictive mean and variance of :math:`y` (its own noise included), each ``(C, n)``."""
     model.eval()
     output = model.likelihood(model.candidates(x))
     return output.mean, output.variance
-
-
-def bma_predictive(model: KernelSelectionGP, x: Tensor, top: int = TOP) -> tuple[GaussianMixturePredictive, int]:
-    r"""``model.predict(x, top)``; if its :math:`q(g)` re-fit on the top kernels diverges, the same mixture built here
-    (:math:`q(g)` on the top kernels' stored local ELBOs by :func:`fit_belief`, their marginals). Returns the
-    predictive and the number of retries."""
-    try:
-        return model.predict(x, top=top), 0
-    except RuntimeError as error:
-        if "kernel-belief" not in str(error):
-            raise
-    indices = model.kernel_posterior().indices[:top]
-    belief = KernelBelief(len(indices), model.kernel_belief.prior_variance).to(model.local_elbo_estimates)
-    retries = 1 + fit_belief(belief, model.local_elbo_estimates[indices], float(model.elbo_scale))
-    means, variances = candidate_marginals(model, x)
-    weights = belief.probabilities().detach()
-    return GaussianMixturePredictive(weights, means[indices], variances[indices]), retries
 
 
 def single_predictive(means: Tensor, variances: Tensor, candidate: int) -> GaussianMixturePredictive:
@@ -361,19 +315,19 @@ def _co2_repeat(args, config: RunConfig, data: datasets.Split, space: KernelSpac
     model = _co2_model(space, train_x, args.co2_inducing, period)
     order = torch.randperm(train_y.numel(), generator=torch.Generator().manual_seed(seed)).to(train_x.device)
     generator = torch.Generator().manual_seed(seed + 1)
-    stages, retries = [], 0
+    stages = []
     for fraction in args.co2_fractions:
         rows = order[: max(1, math.ceil(fraction * train_y.numel()))]
         batch = min(args.co2_batch_size, rows.numel())
         elbo_scale = 2.0 / math.ceil(rows.numel() / batch)
         start = time.perf_counter()
         for iterations, lr in ((args.co2_iterations, args.lr), (args.co2_settle_iterations, args.co2_settle_lr)):
-            retries += fit_stage(
-                model, train_x[rows], train_y[rows], elbo_scale, num_iterations=iterations, batch_size=batch, lr=lr,
-                generator=generator, progress=config.progress,
+            model.fit(
+                train_x[rows], train_y[rows], num_iterations=iterations, batch_size=batch, lr=lr,
+                elbo_scale=elbo_scale, generator=generator, progress=config.progress,
             )  # fmt: skip
         plot_belief = KernelBelief(model.num_candidates, PLOT_PRIOR_VARIANCE).to(model.local_elbo_estimates)
-        retries += fit_belief(plot_belief, model.local_elbo_estimates, elbo_scale)
+        plot_belief.fit(model.local_elbo_estimates, elbo_scale=elbo_scale)
         stages.append(
             {
                 "fraction": fraction,
@@ -392,7 +346,7 @@ def _co2_repeat(args, config: RunConfig, data: datasets.Split, space: KernelSpac
     posterior = model.kernel_posterior()
     means, variances = candidate_marginals(model, test_x)
     candidates = [mixture_metrics(single_predictive(means, variances, c), test_y, y_std) for c in range(len(space))]
-    bma, bma_retries = bma_predictive(model, test_x)
+    bma = model.predict(test_x, top=TOP)
     best = int(posterior.indices[0])
     draws = torch.randint(len(space), (args.co2_random_draws,), generator=torch.Generator().manual_seed(seed + 2))
     random_rows = [candidates[c] for c in draws.tolist()]
@@ -417,7 +371,6 @@ def _co2_repeat(args, config: RunConfig, data: datasets.Split, space: KernelSpac
         "posterior": {name: float(p) for name, p in zip(posterior.names, posterior.probabilities)},
         "candidates": {name: candidates[c] for c, name in enumerate(model.names)},
         "oracle_best_rmse_kernel": model.names[min(range(len(space)), key=lambda c: candidates[c]["rmse"])],
-        "belief_retries": retries + bma_retries,
         "forecast": {
             "mean": data.unstandardize_y(bma.mean).tolist(),
             "lower": data.unstandardize_y(lower).tolist(),
@@ -663,16 +616,15 @@ def _elevators_part(args: argparse.Namespace, config: RunConfig, output: Path) -
     torch.manual_seed(config.seed)
     model = KernelSelectionGP(space, inducing_points, ard_num_dims=train_x.size(-1)).to(train_x)
     start = time.perf_counter()
-    retries = fit_stage(
-        model, train_x, train_y, 2 * min(config.batch_size, train_y.numel()) / train_y.numel(),
-        num_iterations=config.iterations, batch_size=config.batch_size, lr=args.lr,
+    model.fit(
+        train_x, train_y, num_iterations=config.iterations, batch_size=config.batch_size, lr=args.lr,
         generator=torch.Generator().manual_seed(config.seed), progress=config.progress,
     )  # fmt: skip
     vbks_seconds = time.perf_counter() - start
     posterior = model.kernel_posterior()
     means, variances = candidate_marginals(model, test_x)
     candidates = [mixture_metrics(single_predictive(means, variances, c), test_y, y_std) for c in range(len(space))]
-    bma, bma_retries = bma_predictive(model, test_x)
+    bma = model.predict(test_x, top=TOP)
     bma_metrics = mixture_metrics(bma, test_y, y_std)
     most_probable = int(posterior.indices[0])
     best = min(range(len(space)), key=lambda c: candidates[c]["nll"])
@@ -717,7 +669,6 @@ def _elevators_part(args: argparse.Namespace, config: RunConfig, output: Path) -
         "candidate_metrics": {name: candidates[c] for c, name in enumerate(model.names)},
         "local_elbos": dict(zip(model.names, model.local_elbo_estimates.tolist())),
         "highest_elbo_kernel": model.names[int(model.local_elbo_estimates.argmax())],
-        "belief_retries": retries + bma_retries,
         "metrics": "test RMSE and NLL (with observation noise) in the targets' original units",
     }
     print(

@@ -1,6 +1,6 @@
 """``bench kernel-selection``: a tiny run of all three parts (``--quick``), and the helpers it is built from: the
 log-log slope, the profile of size options, the scoring of one candidate as a one-component mixture against the
-Gaussian test metrics, and the retries around a diverging kernel-belief fit."""
+Gaussian test metrics."""
 
 import argparse
 import json
@@ -14,14 +14,13 @@ from gpytorch_decoupled.bench.kernel_selection_benchmark import (
     GOALS,
     PROFILES,
     candidate_marginals,
-    fit_belief,
     loglog_slope,
     mixture_metrics,
     resolve_profile,
     single_predictive,
 )
 from gpytorch_decoupled.bench.metrics import gaussian_test_metrics
-from gpytorch_decoupled.models import KernelBelief, KernelSelectionGP
+from gpytorch_decoupled.models import KernelSelectionGP
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -100,16 +99,3 @@ def test_one_candidate_is_scored_like_a_gaussian_predictive():
     assert ours["rmse"] == pytest.approx(reference["rmse"], rel=1e-12)
     assert ours["nll"] == pytest.approx(reference["nll"], rel=1e-12)
     assert 0 <= ours["coverage"] <= 1
-
-
-def test_fit_belief_retries_with_fewer_iterations(monkeypatch):
-    calls = []
-
-    def diverge_unless_short(self, local_elbos, elbo_scale=1.0, max_iterations=100):
-        calls.append(max_iterations)
-        if max_iterations > 25:
-            raise RuntimeError("the kernel-belief optimization diverged")
-
-    monkeypatch.setattr(KernelBelief, "fit", diverge_unless_short)
-    assert fit_belief(KernelBelief(3), torch.zeros(3), 0.5) == 2
-    assert calls == [100, 50, 25]
