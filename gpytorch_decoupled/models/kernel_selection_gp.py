@@ -162,6 +162,10 @@ class KernelSelectionGP(Module):
         x, y = self._checked_data(x, y)
         if not num_data >= y.size(-1):
             raise ValueError(f"num_data ({num_data}) must be at least the batch size ({y.size(-1)}).")
+        return self._local_elbo_terms(x, y, num_data)
+
+    def _local_elbo_terms(self, x: Tensor, y: Tensor, num_data: int) -> tuple[Tensor, Tensor]:
+        """:meth:`local_elbo_terms` on data already checked (the mini-batches and blocks of checked data sets)."""
         if self.hyperparameter_posterior is None:
             return self(x, y, num_data)
         hyperparameters = self._hyperparameters()
@@ -224,7 +228,8 @@ class KernelSelectionGP(Module):
         for iteration in tqdm(range(num_iterations), desc="VBKS local ELBOs", disable=not progress):
             batch = torch.randint(num_data, (batch_size,), generator=generator, device="cpu").to(y.device)
             optimizer.zero_grad()
-            local_elbos = self.local_elbos(x[batch], y[batch], num_data) / num_data
+            expected_log_likelihood, kl = self._local_elbo_terms(x[batch], y[batch], num_data)
+            local_elbos = (expected_log_likelihood - kl) / num_data
             (-local_elbos.sum()).backward()
             optimizer.step()
             trace[iteration] = local_elbos.detach().cpu()
@@ -245,7 +250,7 @@ class KernelSelectionGP(Module):
         expected_log_likelihood = 0.0
         for start in range(0, y.size(-1), batch_size):
             block = slice(start, start + batch_size)
-            ell, kl = self.local_elbo_terms(x[block], y[block], y[block].size(-1))
+            ell, kl = self._local_elbo_terms(x[block], y[block], y[block].size(-1))
             expected_log_likelihood = expected_log_likelihood + ell
         return expected_log_likelihood, kl
 
