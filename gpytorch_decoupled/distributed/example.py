@@ -31,6 +31,7 @@ from ..mlls import DualVariationalELBO
 from ..variational import (
     DualVariationalDistribution,
     DualVariationalStrategy,
+    FastNaturalVariationalDistribution,
     KalmanVariationalStrategy,
     OrthogonallyDecoupledVariationalStrategy,
 )
@@ -60,7 +61,7 @@ def _build(family: str, points: torch.Tensor, num_inducing: int, likelihood) -> 
     if family == "tsvgp":
         return _ExampleGP(lambda gp: DualVariationalStrategy(gp, z, DualVariationalDistribution(num_inducing)), dims)
     if family == "odvgp":
-        q = gpytorch.variational.NaturalVariationalDistribution(num_inducing)
+        q = FastNaturalVariationalDistribution(num_inducing)
         return _ExampleGP(lambda gp: OrthogonallyDecoupledVariationalStrategy(gp, z, q, points), dims)
     return _ExampleGP(lambda gp: KalmanVariationalStrategy(gp, z, likelihood), dims)
 

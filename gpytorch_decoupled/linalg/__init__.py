@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Numerical building blocks shared by the method families: float64 Cholesky with jitter, triangular solves and the
-column-sampled quadratic form."""
+"""Numerical building blocks shared by the method families: float64 Cholesky with jitter, triangular solves,
+fused kernel-vector products and the column-sampled quadratic form."""
 
 from .cholesky import jittered_cholesky, reset_jitter_warnings
+from .kernel_matvec import kernel_matvec
 from .quadratic_form import column_sampled_quadratic_form
 from .triangular import cholesky_logdet, cholesky_solve, solve_lower, solve_lower_transpose
 
@@ -11,6 +12,7 @@ __all__ = [
     "cholesky_solve",
     "column_sampled_quadratic_form",
     "jittered_cholesky",
+    "kernel_matvec",
     "reset_jitter_warnings",
     "solve_lower",
     "solve_lower_transpose",

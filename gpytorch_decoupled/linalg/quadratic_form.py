@@ -8,6 +8,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from .kernel_matvec import kernel_matvec
+
 
 def column_sampled_quadratic_form(
     kernel: Callable[[Tensor, Tensor], Tensor],
@@ -57,8 +59,9 @@ def column_sampled_quadratic_form(
     independent latents that share the bases (all latents then share the sample :math:`C`), and :attr:`kernel`
     may return batched matrices. The result has the broadcast batch shape.
 
-    :param kernel: ``kernel(x1, x2)`` returns the dense kernel matrix of shape ``(*batch, len(x1), len(x2))``,
-        e.g. ``lambda x1, x2: covar_module(x1, x2).to_dense()``.
+    :param kernel: ``kernel(x1, x2)`` returns the kernel matrix of shape ``(*batch, len(x1), len(x2))``, dense or a
+        GPyTorch lazy kernel block such as ``covar_module(x1, x2)``, whose products with :math:`\mathbf v` are then
+        fused (:func:`~gpytorch_decoupled.linalg.kernel_matvec`).
     :param gamma: Inputs :math:`\gamma` whose rows are sampled.
     :param v_gamma: Coefficients :math:`\mathbf v_\gamma`.
     :param beta: Inputs :math:`\beta` that are always summed exactly (optional).
@@ -163,5 +166,4 @@ def _block_term(
     columns: Tensor,
     v: Tensor,
 ) -> Tensor:
-    kernel_times_v = kernel(rows, columns) @ v.unsqueeze(-1)
-    return (u.unsqueeze(-2) @ kernel_times_v).squeeze(-1).squeeze(-1)
+    return (u * kernel_matvec(kernel(rows, columns), v)).sum(-1)

@@ -5,6 +5,7 @@ from .decoupled_variational_distribution import DecoupledVariationalDistribution
 from .decoupled_variational_strategy import DecoupledVariationalStrategy
 from .dual_variational_distribution import DualSites, DualVariationalDistribution
 from .dual_variational_strategy import DualPosteriorFactors, DualSiteStatistics, DualVariationalStrategy
+from .fast_natural_variational_distribution import FastNaturalVariationalDistribution
 from .hybrid_variational_strategy import HybridVariationalStrategy
 from .independent_multitask_variational_strategy import IndependentMultitaskVariationalStrategy
 from .kalman_variational_strategy import KalmanVariationalStrategy
@@ -20,6 +21,7 @@ __all__ = [
     "DualSites",
     "DualVariationalDistribution",
     "DualVariationalStrategy",
+    "FastNaturalVariationalDistribution",
     "HybridVariationalStrategy",
     "IndependentMultitaskVariationalStrategy",
     "KalmanVariationalStrategy",

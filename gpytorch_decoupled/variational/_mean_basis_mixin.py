@@ -2,9 +2,11 @@ from __future__ import annotations
 
 import torch
 from gpytorch.utils.memoize import _add_to_cache_ignore_args, _get_from_cache_ignore_args, _is_in_cache_ignore_args
+from linear_operator import to_dense
+from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from ..linalg import column_sampled_quadratic_form
+from ..linalg import column_sampled_quadratic_form, kernel_matvec
 from ._input_checks import checked_inputs
 from ._replace_tensor import replace_tensor
 
@@ -63,18 +65,25 @@ class _MeanBasisMixin:
         replace_tensor(owner, "mean_coefficients", torch.cat([coefficients, padding], dim=-1))
 
     # ------------------------------------------------------------------ kernel blocks
-    def _cross_covariance(self, x1: Tensor, x2: Tensor, **kwargs) -> Tensor:
-        """Dense prior covariance between two input sets through ``model.forward`` (only that block is evaluated)."""
+    def _lazy_cross_covariance(self, x1: Tensor, x2: Tensor, **kwargs) -> Tensor | LinearOperator:
+        """Prior covariance between two input sets through ``model.forward``, as the model returns it (lazy for a
+        GPyTorch kernel: only this block is ever evaluated)."""
         batch_shape = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
         x1 = x1.expand(*batch_shape, *x1.shape[-2:])
         x2 = x2.expand(*batch_shape, *x2.shape[-2:])
         joint = self.model.forward(torch.cat([x1, x2], dim=-2), **kwargs).lazy_covariance_matrix
-        return joint[..., : x1.size(-2), x1.size(-2) :].to_dense()
+        return joint[..., : x1.size(-2), x1.size(-2) :]
+
+    def _cross_covariance(self, x1: Tensor, x2: Tensor, **kwargs) -> Tensor:
+        """Dense prior covariance between two input sets through ``model.forward`` (only that block is evaluated)."""
+        return to_dense(self._lazy_cross_covariance(x1, x2, **kwargs))
 
     def _mean_basis_values(self, x: Tensor, **kwargs) -> Tensor:
-        r""":math:`\mathbf K_{\mathbf x\alpha}\mathbf a`, the mean basis function at ``x``, ``(..., N)``."""
-        values = self._cross_covariance(x, self.mean_inducing_points, **kwargs) @ self.mean_coefficients.unsqueeze(-1)
-        return values.squeeze(-1)
+        r""":math:`\mathbf K_{\mathbf x\alpha}\mathbf a`, the mean basis function at ``x``, ``(..., N)``, fused for
+        the common kernels (:func:`~gpytorch_decoupled.linalg.kernel_matvec`)."""
+        return kernel_matvec(
+            self._lazy_cross_covariance(x, self.mean_inducing_points, **kwargs), self.mean_coefficients
+        )
 
     def _sampled_rows(self) -> Tensor | None:
         r"""Rows of :math:`\mathbf K_\alpha` for this training step's KL estimate, or None when the KL is exact."""
@@ -121,7 +130,7 @@ class _MeanBasisMixin:
         if indices is None and _is_in_cache_ignore_args(self, "sampled_mean_basis_quadratic"):
             return _get_from_cache_ignore_args(self, "sampled_mean_basis_quadratic")
         return column_sampled_quadratic_form(
-            self._cross_covariance,
+            self._lazy_cross_covariance,
             self.mean_inducing_points,
             self.mean_coefficients,
             indices=self._sampled_rows() if indices is None else indices,

@@ -44,9 +44,11 @@ class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy)
     ever formed: a training step costs :math:`O(N_b (M_\gamma + M_\beta^2) + M_\beta M_\gamma + b M_\gamma +
     M_\beta^3)`.
 
-    **Training.** The covariance block is an ordinary whitened SVGP block: with a
-    :class:`~gpytorch.variational.NaturalVariationalDistribution` it is trained exactly by natural gradients with
-    :class:`gpytorch.optim.NGD` (the paper's OrthNat; one step of size 1 is exact for a Gaussian likelihood), with a
+    **Training.** The covariance block is an ordinary whitened SVGP block: with a natural-parameter distribution
+    (:class:`~gpytorch_decoupled.variational.FastNaturalVariationalDistribution`, or GPyTorch's slower
+    :class:`~gpytorch.variational.NaturalVariationalDistribution` with the same parameters) it is trained exactly by
+    natural gradients with :class:`gpytorch.optim.NGD` (the paper's OrthNat; one step of size 1 is exact for a
+    Gaussian likelihood), with a
     :class:`~gpytorch.variational.CholeskyVariationalDistribution` by Adam (Orth). The mean coefficients
     :math:`\mathbf a_\gamma` (``mean_coefficients``) are deliberately *not* a variational parameter: an NGD step on them
     is not a natural-gradient step (GPyTorch issue #1267), so ``model.variational_parameters()`` yields only the
@@ -69,10 +71,13 @@ class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy)
 
     Example:
         >>> import gpytorch, torch
-        >>> from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrategy
+        >>> from gpytorch_decoupled.variational import (
+        ...     FastNaturalVariationalDistribution,
+        ...     OrthogonallyDecoupledVariationalStrategy,
+        ... )
         >>> class ODVGP(gpytorch.models.ApproximateGP):
         ...     def __init__(self, beta, gamma):
-        ...         q_beta = gpytorch.variational.NaturalVariationalDistribution(beta.size(0))
+        ...         q_beta = FastNaturalVariationalDistribution(beta.size(0))
         ...         super().__init__(OrthogonallyDecoupledVariationalStrategy(self, beta, q_beta, gamma))
         ...         self.mean_module = gpytorch.means.ZeroMean()
         ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from gpytorch_decoupled.optim import OrthogonalMeanNaturalGradient
+from gpytorch_decoupled.variational import FastNaturalVariationalDistribution
 from tests.float64_problems import (
     F64,
     JITTER,
@@ -39,7 +40,7 @@ EPSILON = 1e-12  # the rule's jitter on D; the dense bound below uses the same D
 
 def _problem():
     beta, gamma, X, y = regression_problem(14, m_gamma=10)
-    model, likelihood, _ = _natural_model_with_fixed_hyperparameters(beta, gamma)
+    model, likelihood, _ = _natural_model_with_fixed_hyperparameters(beta, gamma, FastNaturalVariationalDistribution)
     return model, likelihood, beta, gamma, X, y
 
 

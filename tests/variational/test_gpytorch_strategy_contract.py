@@ -11,6 +11,7 @@ import gpytorch
 import pytest
 import torch
 
+from gpytorch_decoupled.variational import FastNaturalVariationalDistribution
 from gpytorch_decoupled.variational._cache_safe_mixin import _CacheSafeMixin
 from tests.strategy_contract_test_case import StrategyContractTestCase
 
@@ -72,3 +73,22 @@ class TestCacheSafeVariationalStrategyContract(TestGPyTorchVariationalStrategyCo
     @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
     def test_to_device_after_eval(self):
         StrategyContractTestCase.test_to_device_after_eval(self)
+
+
+class TestCacheSafeFastNaturalContract(TestCacheSafeVariationalStrategyContract):
+    """This package's natural distribution inside GPyTorch's own (cache-safe) strategy."""
+
+    @property
+    def distribution_cls(self):
+        return FastNaturalVariationalDistribution
+
+    def test_fantasy_call(self, *args, **kwargs):
+        # GPyTorch builds fantasy models only from a CholeskyVariationalDistribution (its own natural one included).
+        with self.assertRaisesRegex(NotImplementedError, "CholeskyVariationalDistribution"):
+            super().test_fantasy_call(*args, **kwargs)
+
+
+class TestCacheSafeFastNaturalBatchContract(TestCacheSafeFastNaturalContract):
+    @property
+    def batch_shape(self):
+        return torch.Size([2])

@@ -7,7 +7,7 @@ from functools import partial
 import gpytorch
 import torch
 
-from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrategy
+from gpytorch_decoupled.variational import FastNaturalVariationalDistribution, OrthogonallyDecoupledVariationalStrategy
 from tests.strategy_contract_test_case import DecoupledStrategyContractTestCase, residual_mean_strategy
 
 orthogonal_strategy = partial(residual_mean_strategy, OrthogonallyDecoupledVariationalStrategy)
@@ -41,6 +41,18 @@ class TestOrthogonallyDecoupledNaturalContract(TestOrthogonallyDecoupledContract
 
 
 class TestOrthogonallyDecoupledBatchContract(TestOrthogonallyDecoupledContract):
+    @property
+    def batch_shape(self):
+        return torch.Size([3])
+
+
+class TestOrthogonallyDecoupledFastNaturalContract(TestOrthogonallyDecoupledContract):
+    @property
+    def distribution_cls(self):
+        return FastNaturalVariationalDistribution
+
+
+class TestOrthogonallyDecoupledFastNaturalBatchContract(TestOrthogonallyDecoupledFastNaturalContract):
     @property
     def batch_shape(self):
         return torch.Size([3])

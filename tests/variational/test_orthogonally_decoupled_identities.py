@@ -20,7 +20,7 @@ import gpytorch
 import pytest
 import torch
 
-from gpytorch_decoupled.variational import IndependentMultitaskVariationalStrategy
+from gpytorch_decoupled.variational import FastNaturalVariationalDistribution, IndependentMultitaskVariationalStrategy
 from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrategy as ODVGPStrategy
 from tests.float64_problems import (
     F64,
@@ -475,9 +475,12 @@ def _freeze_all_but(model, likelihood, *keep: torch.nn.Parameter) -> None:
         p.requires_grad_(id(p) in kept)
 
 
-def _natural_model_with_fixed_hyperparameters(beta: torch.Tensor, gamma: torch.Tensor):
+NATURAL_DISTRIBUTIONS = [gpytorch.variational.NaturalVariationalDistribution, FastNaturalVariationalDistribution]
+
+
+def _natural_model_with_fixed_hyperparameters(beta: torch.Tensor, gamma: torch.Tensor, distribution_cls):
     """A natural-gradient beta block and a_gamma = 0 as the only free parameters (the OrthNat test problems)."""
-    model = ODVGPModel(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
+    model = ODVGPModel(beta, gamma, distribution_cls=distribution_cls)
     likelihood = gaussian_likelihood()
     strategy = model.variational_strategy
     with torch.no_grad():
@@ -486,11 +489,12 @@ def _natural_model_with_fixed_hyperparameters(beta: torch.Tensor, gamma: torch.T
     return model, likelihood, strategy
 
 
+@pytest.mark.parametrize("distribution_cls", NATURAL_DISTRIBUTIONS)
 @pytest.mark.parametrize("num_mean_points", [10, 0])
-def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) -> None:
+def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int, distribution_cls) -> None:
     beta, gamma, X, y = regression_problem(9)
     gamma = gamma[:num_mean_points]
-    model = ODVGPModel(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
+    model = ODVGPModel(beta, gamma, distribution_cls=distribution_cls)
     likelihood = gaussian_likelihood()
     gen = generator(80)
     strategy = model.variational_strategy
@@ -518,11 +522,12 @@ def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) 
         torch.testing.assert_close(elbo, collapsed_bound(b["K_bb"], b["K_bX"], k_diag, y, NOISE), rtol=1e-12, atol=0)
 
 
-def test_orthnat_reaches_the_closed_form_optimum() -> None:
+@pytest.mark.parametrize("distribution_cls", NATURAL_DISTRIBUTIONS)
+def test_orthnat_reaches_the_closed_form_optimum(distribution_cls) -> None:
     # The paper's OrthNat scheme with fixed hyperparameters: an NGD step (size 1) on the beta block, then an Adam
     # step on a_gamma, each on a fresh full-batch ELBO. It must approach ELBO* (5.13) from below.
     beta, gamma, X, y = regression_problem(11)
-    model, likelihood, strategy = _natural_model_with_fixed_hyperparameters(beta, gamma)
+    model, likelihood, strategy = _natural_model_with_fixed_hyperparameters(beta, gamma, distribution_cls)
     ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=60, lr=1.0)
     adam = torch.optim.Adam([strategy.mean_coefficients], lr=0.1)
     elbo_star = _optimal_elbo(beta, gamma, X, y).item()

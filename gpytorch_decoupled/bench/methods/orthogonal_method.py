@@ -5,7 +5,11 @@ import torch
 from torch import Tensor
 
 from ...optim import OrthogonalMeanNaturalGradient
-from ...variational import HybridVariationalStrategy, OrthogonallyDecoupledVariationalStrategy
+from ...variational import (
+    FastNaturalVariationalDistribution,
+    HybridVariationalStrategy,
+    OrthogonallyDecoupledVariationalStrategy,
+)
 from .approximate_gp_method import ApproximateGPMethod, exact_strategy_kl
 from .approximate_regression_model import ApproximateRegressionModel
 from .inducing_points import initial_inducing_points
@@ -57,9 +61,7 @@ class OrthogonalMethod(ApproximateGPMethod):
         covariance_points = initial_inducing_points(train_x, num_inducing, seed)
         mean_points = initial_inducing_points(train_x, num_mean_inducing, seed + 1)
         distribution_cls = (
-            gpytorch.variational.NaturalVariationalDistribution
-            if natural
-            else gpytorch.variational.CholeskyVariationalDistribution
+            FastNaturalVariationalDistribution if natural else gpytorch.variational.CholeskyVariationalDistribution
         )
 
         def make_strategy(model):
