@@ -4,8 +4,9 @@ Two parts, one process, one data set (kin40k split 0 by default), mini-batches o
 
 1. **Speed.** GPyTorch's SVGP (Adam, :math:`M=200`), GPyTorch's own ODVGP (Adam, :math:`M_\\gamma=1000`,
    :math:`M_\\beta=200`) and this package's OrthNat (:math:`M_\\gamma=1000`, :math:`M_\\beta=200`, 64 sampled KL
-   rows) are trained on the same mini-batches; the median seconds per iteration after warm-up are compared with
-   SVGP's.
+   rows) are trained in lockstep on the same mini-batches (one iteration of each in turn, so that a change of
+   machine load slows all three alike); the median seconds per iteration after warm-up are compared with SVGP's.
+   Peak memory is measured separately, over the warm-up iterations of a fresh copy of each method.
 2. **Scale.** OrthNat at :math:`M_\\gamma = 10^3, 10^4, 10^5` (:math:`M_\\beta=200`, 64 sampled KL rows): the time
    of an iteration must grow at most linearly in :math:`M_\\gamma` and the peak memory at :math:`10^5` stay small.
    kin40k has 36,000 training rows, fewer than :math:`10^5`, so a mean basis larger than the training set is drawn
@@ -158,7 +159,7 @@ def _run(args: argparse.Namespace) -> dict:
         ("gpytorch-odvgp", {"num_inducing": m, "num_mean_inducing": m_gamma}),
         ("orthnat", {"num_inducing": m, "num_mean_inducing": m_gamma, "num_kl_columns": args.num_kl_columns}),
     ]
-    results = compare(methods, split, config)
+    results = compare(methods, split, config, lockstep=True)
     by_name = {result.name: result for result in results}
     reference = by_name[REFERENCE]
 

@@ -164,24 +164,52 @@ def split_tensors(split, config: RunConfig) -> tuple[tuple[Tensor, Tensor], tupl
     return train, test
 
 
-def compare(methods: Sequence[tuple[str, dict]], split, config: RunConfig) -> list[MethodResult]:
+def compare(
+    methods: Sequence[tuple[str, dict]], split, config: RunConfig, lockstep: bool = False
+) -> list[MethodResult]:
     r"""Train and measure several methods in this process, on the same data, seed and mini-batch order.
+
+    By default the methods train one after the other (:func:`train_and_evaluate`). With ``lockstep`` they train
+    together (:func:`train_in_lockstep`: one iteration of each in turn), so that a change of machine load during the
+    run slows every method alike and their time ratios stay meaningful; each method's peak memory is then measured
+    beforehand, over ``config.warmup`` iterations of a separately built copy on the same mini-batches.
 
     :param methods: ``(registry name, method options)`` pairs. A name may carry a tag after ``@`` (``"svgp@M=500"``)
         to run one method several times with different options.
     :param split: A :class:`gpytorch_decoupled.datasets.Split` (regression).
     :param config: The shared run configuration.
+    :param lockstep: Train the methods in lockstep.
     :return: One :class:`MethodResult` per method, in order; a method that refuses the data (e.g. the exact GP on too
         many rows) is returned with ``skipped`` set to its reason.
     """
     train, test = split_tensors(split, config)
-    results = []
+
+    def build(name: str, options: dict) -> Method:
+        return build_method(name.split("@")[0], *train, **{"seed": config.seed, **options})
+
+    results, trained = {}, []
     for name, options in methods:
-        registry_name = name.split("@")[0]
         try:
-            method = build_method(registry_name, *train, **{"seed": config.seed, **options})
+            method = build(name, options)
         except MethodNotApplicable as error:
-            results.append(MethodResult(name=name, label=registry_name, skipped=str(error)))
+            results[name] = MethodResult(name=name, label=name.split("@")[0], skipped=str(error))
             continue
-        results.append(train_and_evaluate(method, train, test, split.y_std, config, name=name))
-    return results
+        if not lockstep:
+            results[name] = train_and_evaluate(method, train, test, split.y_std, config, name=name)
+        else:
+            trained.append((name, method, warmup_peak_memory(build(name, options), train, config)))
+    if trained:
+        named = [(name, method) for name, method, _ in trained]
+        for result, (_, _, peak_mb) in zip(train_in_lockstep(named, train, test, split.y_std, config), trained):
+            result.peak_memory_mb = peak_mb
+            results[result.name] = result
+    return [results[name] for name, _ in methods]
+
+
+def warmup_peak_memory(method: Method, train: tuple[Tensor, Tensor], config: RunConfig) -> float:
+    """Peak memory (MB) of ``method`` over ``config.warmup`` training iterations on the run's first mini-batches."""
+    batches = _minibatches(*train, config.batch_size, config.seed)
+    with PeakMemoryMeter(train[0].device) as meter:
+        for _ in range(max(config.warmup, 1)):
+            method.step(*(next(batches) if method.uses_minibatches else train))
+    return meter.peak_mb

@@ -52,6 +52,26 @@ def test_compare_measures_every_method_on_the_same_data():
     assert "100" in results[-1].skipped
 
 
+def test_compare_in_lockstep_gives_the_sequential_results_and_measures_memory():
+    split = _synthetic_split()
+    config = RunConfig(iterations=20, batch_size=64, eval_every=10, warmup=3, progress=False)
+    methods = [
+        ("svgp", {"num_inducing": 20, "lr": 0.05}),
+        ("orthnat", {"num_inducing": 10, "num_mean_inducing": 30}),
+        ("exact@refused", {"max_exact_rows": 100}),
+    ]
+    sequential = compare(methods, split, config)
+    together = compare(methods, split, config, lockstep=True)
+    assert [result.name for result in together] == [name for name, _ in methods]
+    assert "100" in together[-1].skipped
+    for one, result in zip(sequential[:-1], together[:-1]):
+        # Same seeds and mini-batches; only the global random stream (initial q(u) noise, sampled KL rows) differs.
+        assert result.nll == pytest.approx(one.nll, abs=0.05)
+        assert result.iterations == 20 and result.seconds_per_iteration > 0
+        assert result.nll < result.curve[0]["nll"] - 0.2
+        assert result.peak_memory_mb >= 0 or math.isnan(result.peak_memory_mb)
+
+
 def test_time_budget_stops_a_method_early():
     config = RunConfig(iterations=10_000, batch_size=64, eval_every=1000, warmup=2, time_budget=0.5, progress=False)
     (result,) = compare([("svgp", {"num_inducing": 10})], _synthetic_split(), config)

@@ -31,7 +31,8 @@ class OrthogonalMethod(ApproximateGPMethod):
         :math:`\mathbf a_\gamma`, step ``mean_lr``).
     :param lr: Adam learning rate.
     :param ngd_lr: Natural-gradient step size of the :math:`\beta` block.
-    :param mean_lr: Step size of the diagonal rule.
+    :param mean_lr: Step size of :math:`\mathbf a_\gamma`'s rule: its own Adam rate (default ``lr``) or the diagonal
+        rule's step (default 0.01).
     :param num_kl_columns: Sampled KL rows :math:`b` (``None``: exact KL).
     :param seed: Seed for the inducing-point draws and initial parameters.
     :param strategy_cls: :class:`~gpytorch_decoupled.variational.OrthogonallyDecoupledVariationalStrategy` or
@@ -48,7 +49,7 @@ class OrthogonalMethod(ApproximateGPMethod):
         mean_rule: str = "adam",
         lr: float = 0.01,
         ngd_lr: float = 0.1,
-        mean_lr: float = 0.01,
+        mean_lr: float | None = None,
         num_kl_columns: int | None = 64,
         seed: int = 0,
         strategy_cls: type = OrthogonallyDecoupledVariationalStrategy,
@@ -79,10 +80,17 @@ class OrthogonalMethod(ApproximateGPMethod):
             first_order += list(model.hyperparameters())
         else:
             first_order += list(model.parameters())
+        others = [p for p in first_order if p is not strategy.mean_coefficients]
         if mean_rule == "diagonal":
-            optimizers.append(OrthogonalMeanNaturalGradient(strategy, num_data=train_y.size(0), lr=mean_lr))
-            first_order = [p for p in first_order if p is not strategy.mean_coefficients]
-        optimizers.append(torch.optim.Adam(first_order, lr=lr))
+            rate = 0.01 if mean_lr is None else mean_lr
+            optimizers.append(OrthogonalMeanNaturalGradient(strategy, num_data=train_y.size(0), lr=rate))
+            groups = [{"params": others}]
+        else:
+            groups = [
+                {"params": others},
+                {"params": [strategy.mean_coefficients], "lr": lr if mean_lr is None else mean_lr},
+            ]
+        optimizers.append(torch.optim.Adam(groups, lr=lr))
         family = "Hybrid" if strategy_cls is HybridVariationalStrategy else "Orth"
         label = f"{family}{'Nat' if natural else ''} (ours)"
         sizes = f"Mγ={num_mean_inducing}, Mβ={num_inducing}"
