@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import LinearOperator
@@ -71,20 +70,9 @@ def _fused_kernel_matvec(covariance: Tensor | LinearOperator, vector: Tensor) ->
     profile = _profile(kernel)
     if profile is None:
         return None
-    x1, x2 = covariance.x1, covariance.x2
-    # The distance is unchanged by a common shift; centering (as GPyTorch does) keeps the expanded square accurate.
-    center = x2.detach().mean(dim=-2, keepdim=True)
-    lengthscale = kernel.lengthscale
-    x1 = (x1 - center) / lengthscale
-    x2 = (x2 - center) / lengthscale
-    batch_shape = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2], vector.shape[:-1])
-    values = _SquaredDistanceKernelMatvec.apply(
-        x1.expand(*batch_shape, *x1.shape[-2:]),
-        x2.expand(*batch_shape, *x2.shape[-2:]),
-        vector.expand(*batch_shape, vector.size(-1)),
-        profile,
+    return _SquaredDistanceKernelMatvec.apply(
+        covariance.x1, covariance.x2, vector, kernel.lengthscale, outputscale, profile
     )
-    return values if outputscale is None else values * outputscale.unsqueeze(-1)
 
 
 def _profile(kernel: Kernel) -> str | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import itertools
 import unittest
 
 import gpytorch
@@ -105,14 +105,21 @@ class TestKernelMatvec(unittest.TestCase):
             torch.testing.assert_close(kernel_matvec(block, a), (block.to_dense() @ a.unsqueeze(-1)).squeeze(-1))
 
     def test_autograd_function_passes_gradcheck_for_every_profile(self):
+        # Broadcast shapes: a batch of 2 data sets against one shared z, ARD length-scales, one output scale per batch.
         generator = torch.Generator().manual_seed(1)
         x = torch.randn(2, 4, 3, generator=generator, dtype=torch.float64, requires_grad=True)
-        z = torch.randn(2, 5, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+        z = torch.randn(5, 3, generator=generator, dtype=torch.float64, requires_grad=True)
         a = torch.randn(2, 5, generator=generator, dtype=torch.float64, requires_grad=True)
-        for profile in PROFILES:
-            with self.subTest(profile=profile):
-                function = functools.partial(_SquaredDistanceKernelMatvec.apply, profile=profile)
-                self.assertTrue(torch.autograd.gradcheck(function, (x, z, a)))
+        lengthscale = (0.5 + torch.rand(1, 3, generator=generator, dtype=torch.float64)).requires_grad_()
+        outputscale = (0.5 + torch.rand(2, generator=generator, dtype=torch.float64)).requires_grad_()
+        for profile, scale in itertools.product(PROFILES, [outputscale, None]):
+            with self.subTest(profile=profile, outputscale=scale is not None):
+
+                def function(x, z, a, lengthscale, *scale, profile=profile):
+                    return _SquaredDistanceKernelMatvec.apply(x, z, a, lengthscale, *(scale or [None]), profile)
+
+                inputs = (x, z, a, lengthscale) if scale is None else (x, z, a, lengthscale, scale)
+                self.assertTrue(torch.autograd.gradcheck(function, inputs))
 
     def test_only_the_requested_gradients_are_computed(self):
         kernel = RBFKernel().double()
