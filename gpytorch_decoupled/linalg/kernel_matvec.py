@@ -45,7 +45,7 @@ def kernel_matvec(
     :return: :math:`\mathbf K\mathbf a`.
 
     Example:
-        >>> import gpytorch
+        >>> import gpytorch, torch
         >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=2))
         >>> x, z, a = torch.randn(5, 2), torch.randn(300, 2), torch.randn(300)
         >>> fused = kernel_matvec(kernel(x, z), a)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+from gpytorch.distributions import MultivariateNormal
 from gpytorch.utils.memoize import _add_to_cache_ignore_args, _get_from_cache_ignore_args, _is_in_cache_ignore_args
 from linear_operator import to_dense
 from linear_operator.operators import LinearOperator
@@ -65,14 +66,17 @@ class _MeanBasisMixin:
         replace_tensor(owner, "mean_coefficients", torch.cat([coefficients, padding], dim=-1))
 
     # ------------------------------------------------------------------ kernel blocks
-    def _lazy_cross_covariance(self, x1: Tensor, x2: Tensor, **kwargs) -> Tensor | LinearOperator:
-        """Prior covariance between two input sets through ``model.forward``, as the model returns it (lazy for a
-        GPyTorch kernel: only this block is ever evaluated)."""
+    def _joint_prior(self, x1: Tensor, x2: Tensor, **kwargs) -> MultivariateNormal:
+        """The model's prior at the stacked inputs ``[x1; x2]`` (batch dimensions broadcast), as ``model.forward``
+        returns it: lazy for a GPyTorch kernel, so only the blocks that are used are ever evaluated."""
         batch_shape = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
         x1 = x1.expand(*batch_shape, *x1.shape[-2:])
         x2 = x2.expand(*batch_shape, *x2.shape[-2:])
-        joint = self.model.forward(torch.cat([x1, x2], dim=-2), **kwargs).lazy_covariance_matrix
-        return joint[..., : x1.size(-2), x1.size(-2) :]
+        return self.model.forward(torch.cat([x1, x2], dim=-2), **kwargs)
+
+    def _lazy_cross_covariance(self, x1: Tensor, x2: Tensor, **kwargs) -> Tensor | LinearOperator:
+        """Prior covariance between two input sets through ``model.forward`` (lazy for a GPyTorch kernel)."""
+        return self._joint_prior(x1, x2, **kwargs).lazy_covariance_matrix[..., : x1.size(-2), x1.size(-2) :]
 
     def _cross_covariance(self, x1: Tensor, x2: Tensor, **kwargs) -> Tensor:
         """Dense prior covariance between two input sets through ``model.forward`` (only that block is evaluated)."""
@@ -92,12 +96,18 @@ class _MeanBasisMixin:
             return None
         return torch.randperm(num_points, device=self.mean_inducing_points.device)[: self.num_kl_columns]
 
-    def _fused_mean_basis_values(self, x: Tensor, model_rows: list[Tensor], **kwargs) -> tuple[list[Tensor], Tensor]:
+    def _fused_mean_basis_values(
+        self, x: Tensor, model_rows: list[Tensor], **kwargs
+    ) -> tuple[list[Tensor], Tensor, MultivariateNormal | None]:
         r"""
         :math:`\mathbf K_{\cdot\alpha}\mathbf a` at ``model_rows`` (inputs of the model, e.g. the covariance basis) and
         at the data ``x``, plus, in training, at this step's sampled KL rows :math:`C`, whose estimate
         :math:`\tfrac{M_\alpha}{b}\mathbf a_C^\top[\mathbf K_{C\alpha}\mathbf a]` is cached for
-        :meth:`mean_basis_quadratic_form`. One kernel evaluation when ``x`` has the model's batch shape.
+        :meth:`mean_basis_quadratic_form`.
+
+        When ``x`` has the model's batch shape, everything comes from one call of ``model.forward`` at
+        ``[model_rows; C; x; alpha]``, which is returned as well (its lazy covariance also holds the blocks among
+        ``model_rows`` and ``x``, for the caller to reuse); otherwise the third value is None.
         """
         points = self.mean_inducing_points
         sampled = self._sampled_rows()
@@ -106,12 +116,14 @@ class _MeanBasisMixin:
         if sampled is not None:
             rows.append(points[sampled].expand(*batch_shape, -1, -1))
         sizes = [row.size(-2) for row in rows]
+        prior = None
         if not rows:
-            return [], self._mean_basis_values(x, **kwargs)
+            return [], self._mean_basis_values(x, **kwargs), prior
         if x.shape[:-2] == batch_shape:
-            *row_values, data_values = self._mean_basis_values(torch.cat([*rows, x], dim=-2), **kwargs).split(
-                [*sizes, x.size(-2)], dim=-1
-            )
+            stacked = torch.cat([*rows, x], dim=-2)
+            prior = self._joint_prior(stacked, points, **kwargs)
+            block = prior.lazy_covariance_matrix[..., : stacked.size(-2), stacked.size(-2) :]
+            *row_values, data_values = kernel_matvec(block, self.mean_coefficients).split([*sizes, x.size(-2)], dim=-1)
         else:  # a data batch the model does not have: keep the model's quantities free of it
             row_values = list(self._mean_basis_values(torch.cat(rows, dim=-2), **kwargs).split(sizes, dim=-1))
             data_values = self._mean_basis_values(x, **kwargs)
@@ -119,7 +131,7 @@ class _MeanBasisMixin:
             coefficients = self.mean_coefficients[..., sampled]
             estimate = (points.size(-2) / sampled.numel()) * (coefficients * row_values.pop()).sum(-1)
             _add_to_cache_ignore_args(self, "sampled_mean_basis_quadratic", estimate)
-        return row_values, data_values
+        return row_values, data_values, prior
 
     def mean_basis_quadratic_form(self, indices: Tensor | None = None) -> Tensor:
         r"""

@@ -223,7 +223,7 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
         factor = self.precision_factor
         # V = R^-1 L_B^T K_bx, so that the variance reduction is ||V_:n||^2 (spec §3.2)
         reduction = solve_lower(chol.to(beta_data.dtype), factor.mT @ beta_data)
-        _, mean_values = self._fused_mean_basis_values(x, [], **kwargs)
+        _, mean_values, _ = self._fused_mean_basis_values(x, [], **kwargs)
         mean = joint.mean[..., num_beta:] + mean_values
         if diag and self.training:
             variance = data_covariance.diagonal(dim1=-2, dim2=-1) - reduction.pow(2).sum(-2)
