@@ -32,7 +32,8 @@ Two parts, one process:
    GPyTorch's usual rates (Adam 0.01 for hyperparameters and inducing inputs, NGD 0.1); OrthNat's mean coefficients
    :math:`\\mathbf a_\\gamma`, a block GPyTorch has no default for, get their own Adam rate ``--mean-lr`` (0.1: with
    0.01 they are still far from converged after 1,500 iterations, and 0.03 sits in between on every data set but
-   elevators).
+   elevators). Adam moves every coefficient by about its rate per step, so the rate suits this basis size: at
+   :math:`|\\gamma| = 2000` on kin40k, 0.03 is best and 0.1 is worse than 0.01.
 """
 
 from __future__ import annotations
