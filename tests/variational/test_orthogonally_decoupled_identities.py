@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import unittest.mock
 
 import gpytorch
 import pytest
@@ -657,3 +658,34 @@ def test_bad_mean_inducing_points_are_refused(mean_inducing_points: torch.Tensor
     q_beta = gpytorch.variational.CholeskyVariationalDistribution(4)
     with pytest.raises(ValueError, match=message):
         ODVGPStrategy(gpytorch.models.ApproximateGP(None), beta, q_beta, mean_inducing_points)
+
+
+# ------------------------------------------------------------------------------------- one prior per training step
+@pytest.mark.parametrize("num_kl_columns", [None, 4])
+def test_training_forward_from_one_prior_equals_the_generic_path(num_kl_columns: int | None) -> None:
+    # The training forward takes K_beta, K_beta,x and K_xx from the mean basis's joint prior; the generic path (three
+    # model.forward calls and GPyTorch's VariationalStrategy.forward) must give the same marginals, KL and gradients.
+    beta, gamma, X, y = regression_problem(21)
+    outputs = []
+    for generic in (False, True):
+        model = ODVGPModel(beta, gamma, num_kl_columns=num_kl_columns, constant_mean=0.3)
+        _set_random_state(model, generator(22))
+        likelihood = gaussian_likelihood()
+        strategy = model.variational_strategy
+        torch.manual_seed(23)  # the same sampled KL rows in both runs
+        if generic:  # no joint prior handed back: the strategy takes GPyTorch's generic route
+            fused = strategy._fused_mean_basis_values
+            strategy._fused_mean_basis_values = lambda *args, f=fused, **kwargs: (*f(*args, **kwargs)[:2], None)
+        model.train()
+        with unittest.mock.patch.object(strategy, "_training_forward", wraps=strategy._training_forward) as spy:
+            output = model(X)
+        assert spy.call_count == (0 if generic else 1)
+        elbo = likelihood.expected_log_prob(y, output).sum() - strategy.kl_divergence()
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        outputs.append((output.mean, output.variance, elbo, torch.autograd.grad(elbo, parameters)))
+    (mean, variance, elbo, grads), (mean_ref, variance_ref, elbo_ref, grads_ref) = outputs
+    torch.testing.assert_close(mean, mean_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(variance, variance_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(elbo, elbo_ref, rtol=1e-12, atol=0)
+    for grad, grad_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(grad, grad_ref, rtol=1e-10, atol=1e-12)
