@@ -71,7 +71,8 @@ class _SquaredDistanceKernelMatvec(torch.autograd.Function):
             grad_x = (factor * grad).unsqueeze(-1) * (x * weighted[..., :1] - weighted[..., 1:])
         if needs_x2 or needs_lengthscale or (needs_a and rbf):
             transposed = _thin_product(derivative.mT, torch.cat([grad.unsqueeze(-1), grad.unsqueeze(-1) * x], dim=-1))
-            grad_z = (factor * a_full).unsqueeze(-1) * (z * transposed[..., :1] - transposed[..., 1:])
+            if needs_x2 or needs_lengthscale:
+                grad_z = (factor * a_full).unsqueeze(-1) * (z * transposed[..., :1] - transposed[..., 1:])
         if needs_a:
             grad_a = transposed[..., 0] if rbf else (values.mT @ grad.unsqueeze(-1)).squeeze(-1)
             grad_a = grad_a.sum_to_size(a_shape)

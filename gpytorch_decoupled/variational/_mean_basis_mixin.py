@@ -85,9 +85,13 @@ class _MeanBasisMixin:
     def _mean_basis_values(self, x: Tensor, **kwargs) -> Tensor:
         r""":math:`\mathbf K_{\mathbf x\alpha}\mathbf a`, the mean basis function at ``x``, ``(..., N)``, fused for
         the common kernels (:func:`~gpytorch_decoupled.linalg.kernel_matvec`)."""
-        return kernel_matvec(
-            self._lazy_cross_covariance(x, self.mean_inducing_points, **kwargs), self.mean_coefficients
-        )
+        return self._mean_basis_values_and_prior(x, **kwargs)[0]
+
+    def _mean_basis_values_and_prior(self, x: Tensor, **kwargs) -> tuple[Tensor, MultivariateNormal]:
+        """:meth:`_mean_basis_values` and the joint prior at ``[x; alpha]`` it was computed from."""
+        prior = self._joint_prior(x, self.mean_inducing_points, **kwargs)
+        block = prior.lazy_covariance_matrix[..., : x.size(-2), x.size(-2) :]
+        return kernel_matvec(block, self.mean_coefficients), prior
 
     def _sampled_rows(self) -> Tensor | None:
         r"""Rows of :math:`\mathbf K_\alpha` for this training step's KL estimate, or None when the KL is exact."""
@@ -120,10 +124,8 @@ class _MeanBasisMixin:
         if not rows:
             return [], self._mean_basis_values(x, **kwargs), prior
         if x.shape[:-2] == batch_shape:
-            stacked = torch.cat([*rows, x], dim=-2)
-            prior = self._joint_prior(stacked, points, **kwargs)
-            block = prior.lazy_covariance_matrix[..., : stacked.size(-2), stacked.size(-2) :]
-            *row_values, data_values = kernel_matvec(block, self.mean_coefficients).split([*sizes, x.size(-2)], dim=-1)
+            values, prior = self._mean_basis_values_and_prior(torch.cat([*rows, x], dim=-2), **kwargs)
+            *row_values, data_values = values.split([*sizes, x.size(-2)], dim=-1)
         else:  # a data batch the model does not have: keep the model's quantities free of it
             row_values = list(self._mean_basis_values(torch.cat(rows, dim=-2), **kwargs).split(sizes, dim=-1))
             data_values = self._mean_basis_values(x, **kwargs)

@@ -50,10 +50,12 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
         coefficients = torch.randn(*variational_distribution.batch_shape, gamma.size(-2), dtype=gamma.dtype)
         self.register_parameter("mean_coefficients", torch.nn.Parameter(coefficients.mul_(mean_init_std).to(gamma)))
 
-    def _beta_cholesky(self):
-        """Cholesky factor of :math:`\\mathbf K_\\beta` plus jitter, shared with the base class's cache."""
-        covariance = self.model.forward(self.inducing_points).lazy_covariance_matrix.add_jitter(self.jitter_val)
-        return self._cholesky_factor(covariance)
+    def _beta_cholesky(self, covariance: LinearOperator | None = None):
+        """Cholesky factor of :math:`\\mathbf K_\\beta` (``covariance`` when given, e.g. a block of a joint prior)
+        plus jitter, shared with the base class's cache."""
+        if covariance is None:
+            covariance = self.model.forward(self.inducing_points).lazy_covariance_matrix
+        return self._cholesky_factor(covariance.add_jitter(self.jitter_val))
 
     def residual_coordinates(self) -> Tensor:
         r"""
@@ -118,12 +120,12 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
         end = prior.event_shape[-1] - self.mean_inducing_points.size(-2)
         start = end - num_data
         covariance = prior.lazy_covariance_matrix
-        chol = self._cholesky_factor(covariance[..., :num_beta, :num_beta].add_jitter(self.jitter_val))
-        self._cache_residual_coordinates(beta_values, chol)
+        chol = self._beta_cholesky(covariance[..., :num_beta, :num_beta])
+        coordinates = self._cache_residual_coordinates(beta_values, chol)
         mean_update, covariance_update = self._compute_predictive_updates(
             chol=chol,
             induc_data_covar=covariance[..., :num_beta, start:end].to_dense(),
-            inducing_values=self._covariance_block_mean(inducing_values, self.residual_coordinates()),
+            inducing_values=self._covariance_block_mean(inducing_values, coordinates),
             variational_inducing_covar=variational_inducing_covar,
             prior_covar=self.prior_distribution.lazy_covariance_matrix,
             diag=True,
