@@ -17,14 +17,15 @@ class DistributedKalmanUpdate:
     ``torch.distributed``: every rank absorbs the union of all ranks' mini-batches, so every rank holds the same
     information-form state, equal to that of one process updating with the union batch.
 
-    The state is a sum over the data of per-batch terms (spec B.3), :math:`\tilde{\boldsymbol\eta} \mathrel{+}=
-    \sum_r\Delta\tilde{\boldsymbol\eta}_r`, :math:`\tilde{\boldsymbol\Lambda} \mathrel{+}= \sum_r
-    \Delta\tilde{\boldsymbol\Lambda}_r` with :math:`\Delta\tilde{\boldsymbol\eta}_r = \mathbf K_{\mathbf u r}
-    \mathbf V_r^{-1}(\mathbf y_r - \mu_0)` and :math:`\Delta\tilde{\boldsymbol\Lambda}_r = \mathbf K_{\mathbf u r}
-    \mathbf V_r^{-1}\mathbf K_{r\mathbf u}`, each computed by its rank; the ranks exchange them (an all-gather of
-    :math:`1 + M + M^2` values per latent per rank) and each adds them all. The union's bound term is, by the chain
-    rule of :math:`\log p(\mathbf y_1, \dots, \mathbf y_R \mid \text{past})`, the sum of each rank's term given the
-    state and the increments of the ranks before it,
+    The state is a sum over the data of per-batch terms (:ref:`derivations-information-form`),
+    :math:`\tilde{\boldsymbol\eta} \mathrel{+}= \sum_r\Delta\tilde{\boldsymbol\eta}_r`,
+    :math:`\tilde{\boldsymbol\Lambda} \mathrel{+}= \sum_r \Delta\tilde{\boldsymbol\Lambda}_r` with
+    :math:`\Delta\tilde{\boldsymbol\eta}_r = \mathbf K_{\mathbf u r} \mathbf V_r^{-1}(\mathbf y_r - \mu_0)` and
+    :math:`\Delta\tilde{\boldsymbol\Lambda}_r = \mathbf K_{\mathbf u r} \mathbf V_r^{-1}\mathbf K_{r\mathbf u}`, each
+    computed by its rank; the ranks exchange them (an all-gather of :math:`1 + M + M^2` values per latent per rank) and
+    each adds them all. The union's bound term is, by the chain rule of
+    :math:`\log p(\mathbf y_1, \dots, \mathbf y_R \mid \text{past})`, the sum of each rank's term given the state and
+    the increments of the ranks before it,
 
     .. math::
 

@@ -17,7 +17,7 @@ class CandidateKernelBank(Kernel):
     :math:`C` composite candidate kernels :math:`\kappa_1, \dots, \kappa_C` (each a :class:`KernelExpression`)
     evaluated together as one kernel with ``batch_shape = [C]``, so that one batched
     :class:`~gpytorch.models.ApproximateGP` trains all candidates of variational Bayesian kernel selection at once
-    (`Teng et al. (2020)`_; spec C.1, C.8):
+    (`Teng et al. (2020)`_, Sec. 3):
 
     .. math::
 

@@ -27,7 +27,7 @@ _TOKEN = re.compile(r"\s*(?:([A-Za-z]+)|([+*×()])|(\S))")
 class KernelExpression:
     r"""
     An immutable expression over the base kernels SE, RQ, PER and LIN combined by :math:`+` and :math:`\times`: a
-    candidate kernel of variational Bayesian kernel selection (`Teng et al. (2020)`_, App. E.1; spec C.6). With
+    candidate kernel of variational Bayesian kernel selection (`Teng et al. (2020)`_, App. E.1). With
     :math:`r = \mathbf x - \mathbf x'`, the base kernels are
 
     .. math::

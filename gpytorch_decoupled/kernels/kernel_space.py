@@ -24,7 +24,7 @@ _PAPER_12 = (
 class KernelSpace(Sequence[KernelExpression]):
     r"""
     An ordered set of candidate kernels :math:`\mathcal K = \{\kappa_1, \dots, \kappa_C\}` for variational Bayesian
-    kernel selection (`Teng et al. (2020)`_; spec C.6), each a :class:`KernelExpression`.
+    kernel selection (`Teng et al. (2020)`_, Sec. 6 and App. E.1), each a :class:`KernelExpression`.
 
     By default candidates that are equal up to the order and grouping of operands (the same
     :meth:`KernelExpression.canonical` form) are kept once, in first-seen order. The reference kernel list

@@ -8,7 +8,7 @@ from ..variational import DualVariationalStrategy
 
 class DualVariationalELBO(VariationalELBO):
     r"""
-    The M-step objective of t-SVGP (`Adam et al. (2021)`_, eqs. 39-41; spec A.2.2): the ELBO of the :math:`q_\theta`
+    The M-step objective of t-SVGP (`Adam et al. (2021)`_, App. B, eqs. 39-41): the ELBO of the :math:`q_\theta`
     that the fixed sites of a :class:`~gpytorch_decoupled.variational.DualVariationalStrategy` define at the candidate
     hyperparameters :math:`\theta`,
 
@@ -21,10 +21,10 @@ class DualVariationalELBO(VariationalELBO):
     divided by :math:`n` and mini-batched with the unbiased :math:`n/B` scale, as
     :class:`~gpytorch.mlls.VariationalELBO`; here :math:`\mathcal Z(\theta)` normalizes the prior times the sites and
     :math:`c(\theta) = \sum_i\mathbb E_{q_\theta}[\log p(y_i \mid f_i)] - \mathbb E_{q_\theta}[\log t(\mathbf u)]`.
-    At a converged E-step its value and gradient equal those of the ELBO with :math:`q` held fixed (spec identity
-    T9); away from it, re-deriving :math:`q_\theta` lets the M-step move further per step. Which sites are held fixed
-    follows the distribution: u-space sites (variant A, the default) or per-datum sites (variant C, an exact upper
-    envelope of the fixed-:math:`q` ELBO for conjugate kernel learning).
+    At a converged E-step its value and gradient equal those of the ELBO with :math:`q` held fixed (Adam et al. 2021,
+    App. A; :ref:`derivations-tsvgp-m-step`); away from it, re-deriving :math:`q_\theta` lets the M-step move further
+    per step. Which sites are held fixed follows the distribution: u-space sites (variant A, the default) or per-datum
+    sites (variant C, an exact upper envelope of the fixed-:math:`q` ELBO for conjugate kernel learning).
 
     Maximize it with any torch optimizer over the hyperparameters and inducing inputs; the sites are buffers and get
     no gradient. For the standard M-step of q-SVGP, use :class:`~gpytorch.mlls.VariationalELBO` with a GPyTorch
@@ -67,5 +67,6 @@ class DualVariationalELBO(VariationalELBO):
 
     def site_log_normalizer(self) -> Tensor:
         r""":math:`\log\mathcal Z(\theta) / n`, summed over latents: the first term of the decomposition
-        :math:`\tilde{\mathcal L} = \log\mathcal Z + c` (spec eq. 40), on the objective's :math:`1/n` scale."""
+        :math:`\tilde{\mathcal L} = \log\mathcal Z + c` (Adam et al. 2021, eq. 40), on the objective's :math:`1/n`
+        scale."""
         return self.dual_strategy.site_log_normalizer().sum() / self.num_data

@@ -33,7 +33,7 @@ class CandidateBankGP(ApproximateGP):
         strategy (any strategy of this package or GPyTorch that supports a batch of independent latents); by default
         GPyTorch's whitened SVGP with a full-covariance :math:`q(u_c)`, as the reference code.
     :param whitened: Default strategy only: whitened (GPyTorch ``VariationalStrategy``) or unwhitened (needed when the
-        hyperparameters get a posterior, spec C.7-7).
+        hyperparameters get a posterior: :ref:`derivations-vbks-whitening`).
     :param learn_inducing_locations: Default strategy only: whether :math:`Z` is trained (the reference keeps it
         fixed).
     """

@@ -7,7 +7,7 @@ from torch.distributions import Categorical, MixtureSameFamily, Normal
 
 class GaussianMixturePredictive(MixtureSameFamily):
     r"""
-    The Bayesian-model-averaging predictive of VBKS (`Teng et al. (2020)`_, eqs. 14-15; spec C.1): at each test input,
+    The Bayesian-model-averaging predictive of VBKS (`Teng et al. (2020)`_, eqs. 14-15): at each test input,
     the mixture :math:`\sum_c w_c\,\mathcal N(\mu_{*,c}, \sigma^2_{*,c})` of the candidate kernels' marginal
     predictives, with moments
 

@@ -8,8 +8,9 @@ from torch import Tensor
 class HyperparameterPosterior(Module):
     r"""
     A Gaussian posterior :math:`q(\theta_c) = \mathcal N(m_{\theta,c}, C_{\theta,c}C_{\theta,c}^\top)` over each
-    candidate's hyperparameters in VBKS (spec C.1-C.2), for the full-Bayesian mode :math:`C_\theta \ne 0`, with prior
-    :math:`p(\theta_c) = \mathcal N(\theta_{c,\rm init}, s^2 I)` (spec C.7-2, default :math:`s = 1`).
+    candidate's hyperparameters in VBKS (Teng et al. 2020, Sec. 3 and App. C.2), for the full-Bayesian mode
+    :math:`C_\theta \ne 0`, with prior :math:`p(\theta_c) = \mathcal N(\theta_{c,\rm init}, s^2 I)` (the paper leaves it
+    open: :ref:`derivations-vbks-priors`; default :math:`s = 1`).
 
     The hyperparameters are the model's raw (unconstrained) GPyTorch parameters; their current values are the means
     :math:`m_\theta` (trained by the optimizer as usual), and this module holds the full-covariance Cholesky factors

@@ -9,7 +9,7 @@ from torch import Tensor
 
 class KernelBelief(Module):
     r"""
-    The kernel belief of VBKS (`Teng et al. (2020)`_, Sec. 4; spec C.1-C.3): a Gaussian
+    The kernel belief of VBKS (`Teng et al. (2020)`_, Secs. 3-4; :ref:`derivations-vbks-priors`): a Gaussian
     :math:`q(g) = \mathcal N(m_g, L_g L_g^\top)` over the logits of the kernel prior
     :math:`p(\kappa_c \mid g) = \mathrm{softmax}(g)_c`, with prior :math:`p(g) = \mathcal N(\mu_{g0}, \tau I_C)`.
 

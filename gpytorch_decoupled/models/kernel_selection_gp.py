@@ -20,14 +20,14 @@ from .kernel_posterior import KernelPosterior
 
 class KernelSelectionGP(Module):
     r"""
-    Variational Bayesian kernel selection (VBKS, `Teng et al. (2020)`_; spec part C): a posterior over a space of
+    Variational Bayesian kernel selection (VBKS, `Teng et al. (2020)`_): a posterior over a space of
     candidate kernels :math:`\kappa_1, \dots, \kappa_C` for sparse variational GP regression, and Bayesian model
     averaging over the most probable ones.
 
     Each candidate :math:`c` has its own sparse variational sub-model (hyperparameters :math:`\theta_c` with its own
     noise and constant mean, :math:`q(u_c) = \mathcal N(m_c, S_c)` at shared inducing inputs :math:`Z`); a kernel
     belief :math:`q(g)` (:class:`KernelBelief`) weighs them through :math:`p(\kappa_c \mid g) = \mathrm{softmax}(g)_c`.
-    The ELBO (eq. 8, the exact ELBO of the pseudo-prior family of spec C.7-1)
+    The ELBO (eq. 8 of the paper, the exact ELBO of the pseudo-prior family of :ref:`derivations-vbks-elbo`)
 
     .. math::
 
@@ -349,8 +349,8 @@ class KernelSelectionGP(Module):
         return output.mean, output.variance
 
     def _hyperparameter_averaged_marginals(self, x: Tensor, observation_noise: bool) -> tuple[Tensor, Tensor]:
-        """Moments of the candidates' predictives averaged over draws of the hyperparameter posterior (spec C.1), in
-        training mode so that no factorization is cached across draws."""
+        """Moments of the candidates' predictives averaged over draws of the hyperparameter posterior (Teng et al. 2020,
+        Sec. 5), in training mode so that no factorization is cached across draws."""
         hyperparameters = self._hyperparameters()
         offsets = self.hyperparameter_posterior.sample(max(self.num_hyperparameter_samples, 32))
         num_samples = next(iter(offsets.values())).size(0)

@@ -3,7 +3,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# The models whose mini-batch noise V_k = sigma^2 I does not depend on the inducing inputs (spec B.1 table).
+# The models whose mini-batch noise V_k = sigma^2 I does not depend on the inducing inputs (docs/derivations.md, "The
+# sparse models of the PEP family").
 STRUCTURED_APPROXIMATIONS = ("vfe", "dtc")
 
 

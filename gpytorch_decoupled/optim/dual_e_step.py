@@ -15,7 +15,7 @@ from ..variational._input_checks import checked_inputs
 
 class DualEStep(torch.optim.Optimizer):
     r"""
-    The E-step of t-SVGP (`Adam et al. (2021)`_, Algorithm 2; spec A.3): a closed-form natural-gradient step of size
+    The E-step of t-SVGP (`Adam et al. (2021)`_, App. E, Algorithm 2): a closed-form natural-gradient step of size
     :math:`r` on the sites of a :class:`~gpytorch_decoupled.variational.DualVariationalStrategy`.
 
     At a mini-batch :math:`\mathcal B` of :math:`B` points the marginals :math:`q(f_i) = \mathcal N(\mu_i, v_i)` give,
@@ -35,8 +35,8 @@ class DualEStep(torch.optim.Optimizer):
         \boldsymbol\ell_1 \leftarrow (1 - r)\boldsymbol\ell_1 + r s\sum_{i\in\mathcal B}\mathbf a_i g_{1,i}, \qquad
         \mathbf L_2 \leftarrow (1 - r)\mathbf L_2 + r s\sum_{i\in\mathcal B} g_{2,i}\mathbf a_i\mathbf a_i^\top.
 
-    This is exactly one natural-gradient step of size :math:`r` on the ELBO of SVGP (spec A.3, identity T5), at
-    :math:`O(BM^2 + M^3)` with no autograd graph through the model: only the scalar :math:`\mathrm{VE}_i` are
+    This is exactly one natural-gradient step of size :math:`r` on the ELBO of SVGP (:ref:`derivations-tsvgp-e-step`),
+    at :math:`O(BM^2 + M^3)` with no autograd graph through the model: only the scalar :math:`\mathrm{VE}_i` are
     differentiated. With a Gaussian likelihood and the full data set one step with :math:`r = 1` gives Titsias' optimal
     :math:`q(\mathbf u)` from any starting point. With per-datum sites (``datum_inputs`` on the distribution) the step
     updates :math:`\lambda_{1,i}, \lambda_{2,i} \leftarrow (1-r)\lambda_{\cdot,i} + r g_{\cdot,i}` for the batch's

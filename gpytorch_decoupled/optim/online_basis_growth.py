@@ -12,8 +12,9 @@ from ..kernels import initialize_hyperparameters
 
 class OnlineBasisGrowth:
     r"""
-    The online learning procedure of `Cheng & Boots (2017)`_ (Algorithm 1; spec §6.1) for the decoupled, hybrid and
-    orthogonally decoupled strategies: call :meth:`step` with every mini-batch, before the optimizers' steps.
+    The online learning procedure of `Cheng & Boots (2017)`_ (App. C.2, Algorithm 1; :ref:`derivations-basis-growth`)
+    for the decoupled, hybrid and orthogonally decoupled strategies: call :meth:`step` with every mini-batch, before the
+    optimizers' steps.
 
     1. On the first mini-batch the hyperparameters start from the median trick
        (:func:`~gpytorch_decoupled.kernels.initialize_hyperparameters`: length-scales the median pairwise distance per

@@ -41,10 +41,10 @@ class _Increments(torch.nn.Module):
 
 class RecursiveGradientPropagation:
     r"""
-    Stochastic recursive gradient propagation (SRGP, `Schuerch et al. (2020)`_; spec B.3): learns the
-    hyperparameters :math:`\theta` (kernel, mean, Gaussian noise and inducing inputs) of a model with a
-    :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` from a stream of mini-batches, one gradient step
-    per mini-batch on the recursive collapsed bound :math:`\sum_k\psi_k(\theta)`.
+    Stochastic recursive gradient propagation (SRGP, `Schuerch et al. (2020)`_, Sec. 4.1, eqs. 26-28 and Prop. 1;
+    :ref:`derivations-information-form`): learns the hyperparameters :math:`\theta` (kernel, mean, Gaussian noise and
+    inducing inputs) of a model with a :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` from a stream
+    of mini-batches, one gradient step per mini-batch on the recursive collapsed bound :math:`\sum_k\psi_k(\theta)`.
 
     The information-form increments of a mini-batch depend on :math:`\theta` only, not on the state, so the state's
     Jacobians :math:`\mathbf J_\eta = \partial\tilde{\boldsymbol\eta}/\partial\theta` and

@@ -16,8 +16,9 @@ Batches = Iterable[tuple[Tensor, Tensor]] | Callable[[], Iterable[tuple[Tensor, 
 class StreamingCollapsedBound:
     r"""
     The exact full-data gradient of the collapsed bound :math:`\mathcal L_{\rm model}(\theta)` of a
-    :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` (VFE, DTC, FITC, PITC or PEP; spec B.1), in two
-    streaming passes over mini-batches with memory independent of the number of data :math:`N`.
+    :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` (VFE, DTC, FITC, PITC or PEP;
+    :ref:`derivations-pep-family`), in two streaming passes over mini-batches with memory independent of the number of
+    data :math:`N`.
 
     In the transformed information form the bound splits into a sum over mini-batches and a term of the accumulated
     statistics :math:`\tilde{\boldsymbol\eta} = \sum_k\Delta\tilde{\boldsymbol\eta}_k`,

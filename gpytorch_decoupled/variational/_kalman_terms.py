@@ -10,7 +10,8 @@ from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_l
 
 APPROXIMATIONS = ("vfe", "dtc", "fitc", "pitc", "pep")
 
-# Weight of diag(Delta_k) in the mini-batch noise V_k = Vbar_k + sigma^2 I of the diagonal models (spec B.1 table).
+# Weight of diag(Delta_k) in the mini-batch noise V_k = Vbar_k + sigma^2 I of the diagonal models (docs/derivations.md,
+# "The sparse models of the PEP family").
 _DIAGONAL_WEIGHT = {"vfe": 0.0, "dtc": 0.0, "fitc": 1.0}
 
 
@@ -32,9 +33,10 @@ class ObservationTerms(NamedTuple):
     r"""
     One mini-batch's likelihood :math:`p(\mathbf y_k \mid \tilde{\mathbf u}) = \mathcal N(\mathbf K_{k\mathbf u}
     \tilde{\mathbf u}, \mathbf V_k)` in the transformed coordinates
-    :math:`\tilde{\mathbf u} = \mathbf K_{\mathbf{uu}}^{-1}\mathbf u` (spec B.1), whitened by the Cholesky factor
-    :math:`\mathbf L_V` of :math:`\mathbf V_k` (diagonal except for PITC). Everything is float64
-    and, outside ``torch.no_grad``, differentiable in the hyperparameters.
+    :math:`\tilde{\mathbf u} = \mathbf K_{\mathbf{uu}}^{-1}\mathbf u` (Schuerch et al. 2020, Sec. 3.2;
+    :ref:`derivations-information-form`), whitened by the Cholesky factor :math:`\mathbf L_V` of :math:`\mathbf V_k`
+    (diagonal except for PITC). Everything is float64 and, outside ``torch.no_grad``, differentiable in the
+    hyperparameters.
     """
 
     features: Tensor  # W = L_V^{-1} K_ku, (..., B, M)
@@ -71,7 +73,7 @@ def observation_terms(
     residual: Tensor,  # (..., B), y - mu_0(x)
     noise: Tensor,  # (...), sigma^2
 ) -> ObservationTerms:
-    r"""The :class:`ObservationTerms` of one mini-batch under the model of the spec's B.1 table."""
+    r"""The :class:`ObservationTerms` of one mini-batch under its model's row of :ref:`derivations-pep-family`."""
     projection = solve_lower(inducing_cholesky, inducing_data_covariance)  # L_uu^{-1} K_uk
     noise = noise.unsqueeze(-1)
     if approximation == "pitc":
@@ -111,7 +113,7 @@ def bound_term(
 ) -> Tensor:
     r"""
     The bound term :math:`\psi_k = \log\mathcal N(\mathbf e_k \mid \mathbf 0, \boldsymbol\Omega_k) - \rho_k` of a
-    mini-batch given the statistics absorbed before it (spec B.3, information form, transformed coordinates):
+    mini-batch given the statistics absorbed before it (:ref:`derivations-information-form`):
 
     .. math::
 

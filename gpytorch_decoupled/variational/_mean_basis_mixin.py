@@ -17,9 +17,9 @@ class _MeanBasisMixin:
     The mean basis every decoupled strategy shares: points :math:`\alpha` (``mean_inducing_points``, shared by every
     latent of the batch) with coefficients :math:`\mathbf a` (``mean_coefficients``, one row per latent), the mean
     function :math:`\mathbf k_{\mathbf x\alpha}\mathbf a`, and the quadratic form
-    :math:`\mathbf a^\top\mathbf K_\alpha\mathbf a` of its KL, column-sampled in training (spec §0.1) and exact, in row
-    blocks of bounded memory, in eval mode or with ``num_kl_columns=None``. No :math:`M_\alpha\times M_\alpha` matrix
-    is ever formed.
+    :math:`\mathbf a^\top\mathbf K_\alpha\mathbf a` of its KL, column-sampled in training
+    (:ref:`derivations-column-sampled-kl`) and exact, in row blocks of bounded memory, in eval mode or with
+    ``num_kl_columns=None``. No :math:`M_\alpha\times M_\alpha` matrix is ever formed.
 
     Everything the mean basis contributes to a training step is the same product
     :math:`\mathbf K_{\cdot\alpha}\mathbf a` at other rows (the data, the sampled KL rows and, for the hybrid and

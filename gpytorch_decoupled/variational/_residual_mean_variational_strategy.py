@@ -20,8 +20,9 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
     A whitened SVGP block on the covariance basis :math:`\beta` plus an extra mean basis :math:`\gamma` with
     coefficients :math:`\mathbf a_\gamma` (``mean_coefficients``, a parameter of the strategy, not of the variational
     distribution: an NGD step on them is not a natural-gradient step). Both the hybrid and the orthogonally decoupled
-    bases are of this form (spec §4–5); they differ only in how the :math:`\beta` block's mean relates to the
-    :math:`\gamma` block (:meth:`_covariance_block_mean`) and so in their KL.
+    bases are of this form (Cheng & Boots 2017, App. A.3; Salimbeni et al. 2018, eqs. 11-12); they differ only in how
+    the :math:`\beta` block's mean relates to the :math:`\gamma` block (:meth:`_covariance_block_mean`) and so in their
+    KL.
 
     The quantity both need is :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma`
     (:meth:`residual_coordinates`), the whitened coordinates of the :math:`\gamma` mean at :math:`\beta`; it comes out
@@ -140,11 +141,11 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
     def grow_bases(self, mean_points: Tensor | None = None, inducing_points: Tensor | None = None) -> None:
         r"""
         Appends points to the mean basis :math:`\gamma` (coefficients 0) and to the covariance basis :math:`\beta`
-        without changing the process :math:`q` (spec §6.1, up to the jitter on :math:`\mathbf K_\beta`). For
-        :math:`\beta \to \beta'` the new :math:`q(\mathbf u_{\beta'})` is the current process at :math:`\beta'`:
-        its covariance is :math:`s_q(\beta', \beta')` and the :math:`\beta` block's mean is interpolated,
-        :math:`\mathbf K_{\beta'\beta}\mathbf K_\beta^{-1}` times the old one. The leading entries of the whitened
-        parameters keep their values, so zero-padded optimizer state stays valid
+        without changing the process :math:`q` (:ref:`derivations-basis-growth`, up to the jitter on
+        :math:`\mathbf K_\beta`). For :math:`\beta \to \beta'` the new :math:`q(\mathbf u_{\beta'})` is the current
+        process at :math:`\beta'`: its covariance is :math:`s_q(\beta', \beta')` and the :math:`\beta` block's mean is
+        interpolated, :math:`\mathbf K_{\beta'\beta}\mathbf K_\beta^{-1}` times the old one. The leading entries of the
+        whitened parameters keep their values, so zero-padded optimizer state stays valid
         (:class:`~gpytorch_decoupled.optim.OnlineBasisGrowth` does that). Exact for full-covariance distributions;
         a mean-field distribution keeps only the diagonal of the new :math:`\mathbf S_w`.
 

@@ -14,8 +14,8 @@ def convert_mean_basis(
 ) -> None:
     r"""
     Makes ``target`` (and its model) describe exactly the process of ``source``, across the hybrid and orthogonally
-    decoupled parametrizations (spec §4.7). With the same bases :math:`\gamma, \beta` and hyperparameters the two
-    describe the same set of processes; in whitened coordinates the map is
+    decoupled parametrizations (:ref:`derivations-hybrid-odvgp-map`). With the same bases :math:`\gamma, \beta` and
+    hyperparameters the two describe the same set of processes; in whitened coordinates the map is
 
     .. math::
 

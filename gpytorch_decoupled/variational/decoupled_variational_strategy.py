@@ -36,8 +36,9 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
             - \mathbf k_{\mathbf x\beta}\mathbf L_B \mathbf H^{-1}\mathbf L_B^\top\mathbf k_{\beta\mathbf x'},
         \qquad \mathbf H = \mathbf I + \mathbf L_B^\top\mathbf K_\beta\mathbf L_B,
 
-    (spec eq. 3.1; :math:`\mathbf L_B\mathbf H^{-1}\mathbf L_B^\top = (\mathbf B^{-1} + \mathbf K_\beta)^{-1}` stays
-    defined for singular :math:`\mathbf B`), and the KL of the process (spec eq. 3.2)
+    (`Cheng & Boots (2017)`_, App. B.1.1 and B.2.1;
+    :math:`\mathbf L_B\mathbf H^{-1}\mathbf L_B^\top = (\mathbf B^{-1} + \mathbf K_\beta)^{-1}` stays defined for
+    singular :math:`\mathbf B`), and the KL of the process (`Cheng & Boots (2017)`_, App. B.1.1, Theorem 1)
 
     .. math::
 
@@ -48,16 +49,17 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
     \operatorname{tr}(\mathbf H^{-1})`. :math:`\mathbf H \succeq \mathbf I` whatever :math:`\mathbf K_\beta` is, so
     nothing here factors :math:`\mathbf K_\beta` itself: the model stays well conditioned even when covariance basis
     points coincide. :math:`\mathbf a^\top\mathbf K_\alpha\mathbf a` is estimated without bias from ``num_kl_columns``
-    sampled rows of :math:`\mathbf K_\alpha` in training (spec §0.1) and computed exactly, in row blocks, in eval mode,
-    so a training step costs :math:`O(N_b M_\alpha + b M_\alpha + N_b M_\beta^2 + M_\beta^3)` and memory linear in
-    :math:`M_\alpha`.
+    sampled rows of :math:`\mathbf K_\alpha` in training (:ref:`derivations-column-sampled-kl`) and computed exactly, in
+    row blocks, in eval mode, so a training step costs :math:`O(N_b M_\alpha + b M_\alpha + N_b M_\beta^2 + M_\beta^3)`
+    and memory linear in :math:`M_\alpha`.
 
     The posterior covariance is exactly the S-form of SVGP with :math:`\mathbf S = (\mathbf K_\beta^{-1} +
     \mathbf B)^{-1} \preceq \mathbf K_\beta`: variances never exceed the prior's. The parametrization is not convex and
-    has no practical natural gradient (spec §3.5): train everything with Adam. ``jacobi_preconditioning`` optimizes
+    has no practical natural gradient (Salimbeni et al. 2018, App. C.1;
+    :ref:`derivations-decoupled-natural-gradient`): train everything with Adam. ``jacobi_preconditioning`` optimizes
     :math:`\mathbf a_0 = \operatorname{diag}(\mathbf K_\alpha)\mathbf a` and
-    :math:`\mathbf L_0 = \operatorname{diag}(\mathbf K_\beta)\mathbf L_B` instead (spec §6.4), which makes Adam's steps
-    independent of the prior's amplitude.
+    :math:`\mathbf L_0 = \operatorname{diag}(\mathbf K_\beta)\mathbf L_B` instead (`Cheng & Boots (2017)`_, App. A.1;
+    :ref:`derivations-jacobi`), which makes Adam's steps independent of the prior's amplitude.
 
     Cheng & Boots' own recipe adds per-basis length-scales
     (:class:`~gpytorch_decoupled.kernels.GeneralizedRBFKernel`, as extra trailing columns of the inducing points) and
@@ -180,8 +182,9 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
     def grow_bases(self, mean_points: Tensor | None = None, inducing_points: Tensor | None = None) -> None:
         r"""
         Appends points to the mean basis :math:`\alpha` (coefficients 0) and to the covariance basis :math:`\beta`
-        (zero rows and columns of :math:`\mathbf L_B`), which leaves the process :math:`q` exactly unchanged (spec
-        §6.1); :class:`~gpytorch_decoupled.optim.OnlineBasisGrowth` grows the bases from mini-batches this way.
+        (zero rows and columns of :math:`\mathbf L_B`), which leaves the process :math:`q` exactly unchanged
+        (:ref:`derivations-basis-growth`); :class:`~gpytorch_decoupled.optim.OnlineBasisGrowth` grows the bases from
+        mini-batches this way.
 
         :param mean_points: New :math:`\alpha` points, ``(n, D)``.
         :param inducing_points: New :math:`\beta` points, ``(n, D)``, shared by every latent of the batch.
@@ -221,7 +224,7 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
 
         chol = self._inner_cholesky(beta_covariance)
         factor = self.precision_factor
-        # V = R^-1 L_B^T K_bx, so that the variance reduction is ||V_:n||^2 (spec §3.2)
+        # V = R^-1 L_B^T K_bx, so that the variance reduction is ||V_:n||^2 (Cheng & Boots 2017, App. B.2.1)
         reduction = solve_lower(chol.to(beta_data.dtype), factor.mT @ beta_data)
         _, mean_values, _ = self._fused_mean_basis_values(x, [], **kwargs)
         mean = joint.mean[..., num_beta:] + mean_values

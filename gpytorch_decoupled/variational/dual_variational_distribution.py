@@ -33,15 +33,16 @@ class DualVariationalDistribution(_VariationalDistribution):
     with :math:`\boldsymbol\ell_1 = \sum_i \mathbf a_i\lambda_{1,i}` and
     :math:`\mathbf L_2 = \sum_i\lambda_{2,i}\mathbf a_i\mathbf a_i^\top \succeq 0`, so that
     :math:`\mathbf S^{-1} = \mathbf K_{\mathbf{uu}}^{-1} + \mathbf L_2` and :math:`\mathbf S^{-1}\mathbf m =
-    \boldsymbol\ell_1` (spec A.1).
+    \boldsymbol\ell_1` (`Adam et al. (2021)`_, App. C, eqs. 42-48).
 
     By default the u-space sites :math:`(\boldsymbol\ell_1, \mathbf L_2)` are stored (``site_mean``, ``site_precision``,
     :math:`O(M^2)` memory): they are held fixed when the hyperparameters move, so :math:`q` is re-derived from them at
-    every :math:`\theta` (spec A.2.3 variant A, the reference implementation's). With ``datum_inputs`` (the :math:`n`
-    training inputs, for full-batch use) the per-datum sites :math:`(\boldsymbol\lambda_1, \boldsymbol\lambda_2)` are
-    stored instead (``datum_site_mean``, ``datum_site_precision``) and :math:`\boldsymbol\ell_1, \mathbf L_2` are
-    recomputed from them at the current kernel and inducing inputs on every call (variant C: an exact upper envelope
-    for conjugate kernel learning, at :math:`O(nM^2)` per evaluation).
+    every :math:`\theta` (variant A of :ref:`derivations-tsvgp-m-step`, the authors' reference implementation's choice).
+    With ``datum_inputs`` (the :math:`n` training inputs, for full-batch use) the per-datum sites
+    :math:`(\boldsymbol\lambda_1, \boldsymbol\lambda_2)` are stored instead (``datum_site_mean``,
+    ``datum_site_precision``) and :math:`\boldsymbol\ell_1, \mathbf L_2` are recomputed from them at the current kernel
+    and inducing inputs on every call (variant C: an exact upper envelope for conjugate kernel learning, at
+    :math:`O(nM^2)` per evaluation).
 
     The sites are buffers, not parameters: they are set by the closed-form natural-gradient E-step
     :class:`~gpytorch_decoupled.optim.DualEStep`, never by a gradient optimizer, and they round-trip through

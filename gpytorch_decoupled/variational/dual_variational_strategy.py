@@ -53,7 +53,8 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
     :class:`~gpytorch_decoupled.variational.DualVariationalDistribution`, unwhitened. With the summaries
     :math:`\bar{\boldsymbol\lambda}_1 = \mathbf K_{\mathbf{uu}}\boldsymbol\ell_1`,
     :math:`\bar{\boldsymbol\Lambda}_2 = \mathbf K_{\mathbf{uu}}\mathbf L_2\mathbf K_{\mathbf{uu}}` and
-    :math:`\mathbf R = \mathbf K_{\mathbf{uu}} + \bar{\boldsymbol\Lambda}_2`, the predictive (spec A.1, eq. 49) is
+    :math:`\mathbf R = \mathbf K_{\mathbf{uu}} + \bar{\boldsymbol\Lambda}_2`, the predictive (`Adam et al. (2021)`_,
+    App. C, eq. 49, with the subscripts restored that the printed equation lost: :ref:`derivations-tsvgp-predictive`) is
 
     .. math::
 
@@ -76,12 +77,13 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
     factorizations are of :math:`\mathbf K_{\mathbf{uu}}` and of the well-conditioned :math:`\mathbf H`
     (:math:`O(M^3)`, float64 with escalating jitter).
 
-    Training alternates two steps (spec A.3): the E-step :class:`~gpytorch_decoupled.optim.DualEStep` sets the sites in
-    closed form (a natural-gradient step on :math:`q`, with no autograd graph), and the M-step maximizes
-    :class:`~gpytorch_decoupled.mlls.DualVariationalELBO` over the hyperparameters and inducing inputs with any torch
-    optimizer, the sites held fixed. Because :math:`q_\theta` is re-derived from the sites at every :math:`\theta`, the
-    M-step objective is the "tighter bound" :math:`\tilde{\mathcal L}(\theta)` of spec A.2.2; its value and gradient
-    equal those of the ELBO with :math:`q` held fixed at a converged E-step.
+    Training alternates two steps (`Adam et al. (2021)`_, Algorithm 2): the E-step
+    :class:`~gpytorch_decoupled.optim.DualEStep` sets the sites in closed form (a natural-gradient step on :math:`q`,
+    with no autograd graph), and the M-step maximizes :class:`~gpytorch_decoupled.mlls.DualVariationalELBO` over the
+    hyperparameters and inducing inputs with any torch optimizer, the sites held fixed. Because :math:`q_\theta` is
+    re-derived from the sites at every :math:`\theta`, the M-step objective is the "tighter bound"
+    :math:`\tilde{\mathcal L}(\theta)` of `Adam et al. (2021)`_, App. B, eqs. 39-41 (:ref:`derivations-tsvgp-m-step`);
+    its value and gradient equal those of the ELBO with :math:`q` held fixed at a converged E-step.
 
     :param model: Model this strategy is applied to (typically the :class:`~gpytorch.models.ApproximateGP` itself).
     :param inducing_points: Inducing inputs :math:`\mathbf Z`, ``(..., M, D)``.
@@ -169,7 +171,7 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
     @cached(name="prior_distribution_memo")
     def prior_distribution(self) -> MultivariateNormal:
         r"""The prior :math:`p(\mathbf u) = \mathcal N(\mathbf 0, \mathbf K_{\mathbf{uu}})` of the centred inducing
-        values (the model's mean function is added to predictions, spec A.7-9)."""
+        values (the model's mean function is added to predictions: :ref:`derivations-tsvgp-mean-function`)."""
         prior = self.model.forward(self.inducing_points)
         return MultivariateNormal(
             torch.zeros_like(prior.mean), prior.lazy_covariance_matrix.add_jitter(self.jitter_val)
@@ -221,7 +223,8 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
 
     def site_summaries(self) -> tuple[Tensor, Tensor]:
         r"""
-        The summaries of the sites at the current hyperparameters (spec eq. 44), the paper's Algorithm 2 state:
+        The summaries of the sites at the current hyperparameters (Adam et al. 2021, App. C, eq. 44), the paper's
+        Algorithm 2 state:
 
         .. math::
 
@@ -245,7 +248,7 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
         r"""
         :math:`\log\mathcal Z(\theta) = \log\int p_\theta(\mathbf u)\,t(\mathbf u)\,d\mathbf u` for the unnormalized
         sites :math:`t(\mathbf u) = \exp(\boldsymbol\ell_1^\top\mathbf u - \tfrac12\mathbf u^\top\mathbf L_2\mathbf
-        u)` (spec A.2.2):
+        u)` (Adam et al. 2021, App. B, eq. 41, for unnormalized sites: :ref:`derivations-tsvgp-m-step`):
 
         .. math::
 

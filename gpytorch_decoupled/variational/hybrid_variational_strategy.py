@@ -21,8 +21,8 @@ class HybridVariationalStrategy(_ResidualMeanVariationalStrategy):
 
     with :math:`\mathbf m_\beta = \mathbf L_\beta \mathbf m_w`, :math:`\mathbf S = \mathbf L_\beta \mathbf S_w
     \mathbf L_\beta^\top` from the whitened :math:`q(\mathbf u_\beta) = \mathcal N(\mathbf m_w, \mathbf S_w)` (any
-    GPyTorch Gaussian distribution). Its KL (spec eq. 4.2, with the :math:`\tfrac12` on the log-determinant that the
-    printed eq. 14 of the paper lacks) is
+    GPyTorch Gaussian distribution). Its KL (`Cheng & Boots (2017)`_, App. A.3, eq. 14, with the :math:`\tfrac12` on the
+    log-determinant that the printed equation lacks: :ref:`derivations-hybrid-kl`) is
 
     .. math::
 
@@ -32,7 +32,7 @@ class HybridVariationalStrategy(_ResidualMeanVariationalStrategy):
         \qquad \mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma,
 
     where :math:`\mathbf a_\gamma^\top \mathbf K_\gamma \mathbf a_\gamma` is column-sampled in training
-    (``num_kl_columns`` rows, spec §0.1), so a step costs
+    (``num_kl_columns`` rows, :ref:`derivations-column-sampled-kl`), so a step costs
     :math:`O(N_b(M_\gamma + M_\beta^2) + M_\beta M_\gamma + bM_\gamma + M_\beta^3)`.
     With :math:`\mathbf a_\gamma = \mathbf 0` it is exactly GPyTorch's SVGP.
 

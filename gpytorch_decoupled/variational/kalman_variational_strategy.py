@@ -33,8 +33,8 @@ class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalS
     r"""
     The recursive (Kalman-filter) sparse GP of `Schuerch et al. (2020)`_: the posterior of the inducing values
     :math:`\mathbf u = f(\mathbf Z)` is computed in closed form, one mini-batch at a time, with :meth:`update`, for a
-    Gaussian likelihood and any of the sparse models of the PEP family (spec B.1). Each mini-batch :math:`k` is
-    observed through
+    Gaussian likelihood and any of the sparse models of the PEP family (Sec. 3.1 of the paper;
+    :ref:`derivations-pep-family`). Each mini-batch :math:`k` is observed through
 
     .. math::
 
@@ -56,8 +56,8 @@ class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalS
       (\boldsymbol\delta_k)`, :math:`\rho_k = \frac{1-\alpha}{2\alpha}\sum_{i\in\mathcal B_k}
       \log(1+\alpha\delta_i/\sigma^2)`.
 
-    Every :meth:`update` returns the mini-batch's term of the recursive collapsed bound (spec B.2), computed from the
-    state *before* the mini-batch is absorbed,
+    Every :meth:`update` returns the mini-batch's term of the recursive collapsed bound (eqs. 23 and 25 of the paper),
+    computed from the state *before* the mini-batch is absorbed,
 
     .. math::
 
@@ -67,7 +67,7 @@ class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalS
     and after all mini-batches, at fixed hyperparameters and in any order (for PITC: any order of the same blocks),
     :attr:`recursive_bound` :math:`= \sum_k\psi_k` equals the model's batch bound (for VFE, Titsias' bound) and
     :attr:`variational_distribution` equals its batch posterior :math:`q(\mathbf u) = \mathcal N(\mathbf m,\mathbf S)`
-    (spec eq. 14). Predictions, through the ordinary ``model(x)`` call, are (spec eq. 17)
+    (eq. 14). Predictions, through the ordinary ``model(x)`` call, are (eq. 17; :ref:`derivations-recursive-prediction`)
 
     .. math::
 
@@ -181,8 +181,8 @@ class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalS
     @torch.no_grad()
     def update(self, x: Tensor, y: Tensor) -> Tensor:
         r"""
-        Absorbs one mini-batch in closed form (an information-filter update, spec B.3) and returns its bound term
-        :math:`\psi_k`, computed before the mini-batch is absorbed.
+        Absorbs one mini-batch in closed form (an information-filter update, :ref:`derivations-information-form`) and
+        returns its bound term :math:`\psi_k`, computed before the mini-batch is absorbed.
 
         :param x: Inputs, ``(B, D)`` (or ``(*batch, B, D)``).
         :param y: Targets, ``(B,)`` (or ``(*batch, B)``), same dtype and device as ``x``.

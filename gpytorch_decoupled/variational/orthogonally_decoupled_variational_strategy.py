@@ -28,7 +28,7 @@ class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy)
     with :math:`\mathbf m_\beta = \mathbf L_\beta \mathbf m_w`, :math:`\mathbf S = \mathbf L_\beta \mathbf S_w
     \mathbf L_\beta^\top` from the whitened :math:`q(\mathbf u_\beta) = \mathcal N(\mathbf m_w, \mathbf S_w)`. So
     :math:`q(f(\beta)) = \mathcal N(\mathbf m_\beta, \mathbf S)` whatever :math:`\mathbf a_\gamma` is, and the KL of the
-    process is (spec eq. 5.3)
+    process is (`Salimbeni et al. (2018)`_, App. A, Prop. A.1)
 
     .. math::
 
@@ -39,9 +39,9 @@ class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy)
         \quad \mathbf c = \mathbf L_\beta^{-1} \mathbf K_{\beta\gamma} \mathbf a_\gamma .
 
     In training, :math:`\mathbf a_\gamma^\top \mathbf K_\gamma \mathbf a_\gamma` is estimated without bias from
-    ``num_kl_columns`` sampled rows of :math:`\mathbf K_\gamma` (spec §0.1); in eval mode, or with
-    ``num_kl_columns=None``, it is exact, in row blocks of bounded memory. No :math:`M_\gamma \times M_\gamma` matrix is
-    ever formed: a training step costs :math:`O(N_b (M_\gamma + M_\beta^2) + M_\beta M_\gamma + b M_\gamma +
+    ``num_kl_columns`` sampled rows of :math:`\mathbf K_\gamma` (:ref:`derivations-column-sampled-kl`); in eval mode, or
+    with ``num_kl_columns=None``, it is exact, in row blocks of bounded memory. No :math:`M_\gamma \times M_\gamma`
+    matrix is ever formed: a training step costs :math:`O(N_b (M_\gamma + M_\beta^2) + M_\beta M_\gamma + b M_\gamma +
     M_\beta^3)`.
 
     **Training.** The covariance block is an ordinary whitened SVGP block: with a natural-parameter distribution
