@@ -8,7 +8,7 @@ PYTEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(subst =,_,$(subst /,_,$(TORCH_SPEC)))
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint format bench docs clean
 
 install: $(STAMP)
 
@@ -40,5 +40,9 @@ format: install
 bench: install
 	$(BIN)/python -m gpytorch_decoupled bench $(NAME) $(ARGS)
 
+# HTML in docs/_build/html; warnings are errors, as in CI. The notebooks are rendered from their stored outputs.
+docs: install
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache docs/_build docs/notebooks
