@@ -1,10 +1,11 @@
 """The ``bench`` role: a number read from a committed benchmark result at build time.
 
 ``{bench}`orthogonal-speed:ratios.orthnat_time_per_iteration``` renders the value at that dotted path of
-``benchmarks/results/orthogonal-speed.json`` (list items by index), to three significant figures (integers in full), as an abbreviation
-whose tooltip names the file and the path. ``|.2f`` after the path picks another format and ``|%`` a percentage.
-Rerunning a benchmark updates every page that quotes it; a path that no longer exists fails the build (it is an
-error, and the docs build turns warnings into errors too), so a renamed result can never leave a stale number behind.
+``benchmarks/results/orthogonal-speed.json`` (list items by index), to three significant figures (integers in
+full), as an abbreviation whose tooltip names the file and the path. ``|.2f`` after the path picks another format
+and ``|%`` a percentage. Rerunning a benchmark updates every page that quotes it; a path that no longer exists fails
+the build (it is an error, and the docs build turns warnings into errors too), so a renamed result can never leave a
+stale number behind.
 """
 
 from __future__ import annotations
