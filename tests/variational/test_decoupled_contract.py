@@ -18,6 +18,7 @@ from gpytorch.utils.warnings import NumericalWarning
 from gpytorch_decoupled.variational import DecoupledVariationalDistribution, DecoupledVariationalStrategy
 from gpytorch_decoupled.variational import decoupled_variational_strategy as decoupled_module
 from tests.strategy_contract_test_case import DecoupledStrategyContractTestCase
+from tests.variational.mean_basis_cases import assert_same_caches, cache_snapshot, eval_process
 
 F64 = torch.float64
 NUM_MEAN_POINTS = 24
@@ -171,28 +172,6 @@ def _random_parameters(model: DecoupledGP, seed: int, scale: float = 1.0) -> tup
     return a, L_B
 
 
-def _eval_process(model: DecoupledGP, x: torch.Tensor):
-    model.eval()
-    with torch.no_grad():
-        output = model(x)
-        return output.mean, output.covariance_matrix, model.variational_strategy.kl_divergence()
-
-
-def _cache_snapshot(model) -> dict:
-    return {
-        name: dict(module._memoize_cache) for name, module in model.named_modules() if hasattr(module, "_memoize_cache")
-    }
-
-
-def _assert_same_caches(model, snapshot: dict) -> None:
-    after = _cache_snapshot(model)
-    assert after.keys() == snapshot.keys()
-    for name, cache in snapshot.items():
-        assert after[name].keys() == cache.keys(), name
-        for key, value in cache.items():
-            assert after[name][key] is value, (name, key)
-
-
 def _dense_process(model: DecoupledGP, a, L_B, x):
     """Mean, covariance and KL from dense float64 formulas: the S-form, S = (K_beta^-1 + B)^-1 (spec eq. 3.1-3.2)."""
     strategy = model.variational_strategy
@@ -232,21 +211,6 @@ def test_size_mismatch_is_refused(num_alpha: int, num_beta: int) -> None:
     q = DecoupledVariationalDistribution(num_alpha, num_beta)
     with pytest.raises(ValueError, match=r"M_alpha=.*M_beta=.*bases have sizes \(24, 8\)"):
         DecoupledVariationalStrategy(gpytorch.models.ApproximateGP(None), beta, q, alpha)
-
-
-@pytest.mark.parametrize(
-    "mean_inducing_points, message",
-    [
-        (torch.zeros(NUM_MEAN_POINTS, 3, dtype=F64), "mean_inducing_points must have shape"),
-        (torch.zeros(2, NUM_MEAN_POINTS, 2, dtype=F64), "mean_inducing_points must have shape"),
-        (torch.full((NUM_MEAN_POINTS, 2), float("nan"), dtype=F64), "NaN"),
-    ],
-)
-def test_bad_mean_inducing_points_are_refused(mean_inducing_points: torch.Tensor, message: str) -> None:
-    beta, _, _, _ = _bases(0)
-    q = DecoupledVariationalDistribution(NUM_MEAN_POINTS, beta.size(0))
-    with pytest.raises(ValueError, match=message):
-        DecoupledVariationalStrategy(gpytorch.models.ApproximateGP(None), beta, q, mean_inducing_points)
 
 
 @pytest.mark.parametrize("batch_shape", [torch.Size([]), torch.Size([3])])
@@ -327,7 +291,7 @@ def test_eval_process_and_kl_match_dense_formulas(seed: int) -> None:
     beta, alpha, X, _ = _bases(seed)
     model = DecoupledGP(beta, alpha, linear=True)
     a, L_B = _random_parameters(model, seed + 10)
-    mean, covariance, kl = _eval_process(model, X)
+    mean, covariance, kl = eval_process(model, X)
     expected = _dense_process(model, a, L_B, X)
     torch.testing.assert_close(mean, expected[0], rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(covariance, expected[1], rtol=1e-8, atol=1e-8)
@@ -352,8 +316,8 @@ def test_jacobi_preconditioning_gives_the_same_process(batch_shape: torch.Size) 
     strategy = preconditioned.variational_strategy
     torch.testing.assert_close(strategy.mean_coefficients, a, rtol=1e-12, atol=0)
     torch.testing.assert_close(strategy.precision_factor, L_B, rtol=1e-12, atol=0)
-    expected = _eval_process(plain, X)
-    for actual, wanted in zip(_eval_process(preconditioned, X), expected, strict=True):
+    expected = eval_process(plain, X)
+    for actual, wanted in zip(eval_process(preconditioned, X), expected, strict=True):
         torch.testing.assert_close(actual, wanted, rtol=1e-10, atol=1e-10)
 
     # Same training objective; the gradients are those of the plain model by the chain rule.
@@ -431,7 +395,7 @@ def test_coinciding_covariance_points(dtype: torch.dtype) -> None:
             optimizer.step()
             assert torch.isfinite(loss)
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-        mean, covariance, kl = _eval_process(model, X)
+        mean, covariance, kl = eval_process(model, X)
         with torch.no_grad():
             H_factor = strategy._inner_cholesky(model.covar_module(strategy.inducing_points).to_dense())
     assert torch.isfinite(mean).all() and torch.isfinite(covariance).all() and torch.isfinite(kl)
@@ -470,46 +434,12 @@ def test_prior_call_returns_the_prior() -> None:
     _random_parameters(model, 17, scale=5.0)
     for training in (True, False):
         model.train(training)
-        snapshot = _cache_snapshot(model)
+        snapshot = cache_snapshot(model)
         with torch.no_grad():
             prior = model(X, prior=True)
             expected = model.forward(X)
         torch.testing.assert_close(prior.mean, expected.mean, rtol=0, atol=0)
         torch.testing.assert_close(prior.covariance_matrix, expected.covariance_matrix, rtol=0, atol=0)
-        _assert_same_caches(model, snapshot)
+        assert_same_caches(model, snapshot)
         with torch.no_grad():
             assert (prior.mean - model(X).mean).abs().max() > 0.1  # the posterior is elsewhere
-
-
-def test_bad_inputs_raise_before_anything_changes() -> None:
-    beta, alpha, X, y = _bases(18)
-    model = DecoupledGP(beta, alpha, num_kl_columns=6, jacobi_preconditioning=True)
-    _random_parameters(model, 19)
-    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
-    mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=X.size(0))
-    reference = _eval_process(model, X[:5])  # leaves the eval caches filled
-    state = {name: value.clone() for name, value in model.state_dict().items()}
-    with_nan = X.clone()
-    with_nan[3, 1] = float("nan")
-    with_inf = X.clone()
-    with_inf[0, 0] = -float("inf")
-    bad_inputs = [(X[:, :1], "dimensions"), (with_nan, "NaN"), (with_inf, "inf"), (X.float(), "float32")]
-    for training in (False, True):
-        model.train(training)
-        if training:  # a training step leaves its own caches (factor of H, sampled KL rows)
-            mll(model(X), y)
-        snapshot = _cache_snapshot(model)
-        assert snapshot["variational_strategy"]
-        for x, message in bad_inputs:
-            with pytest.raises(ValueError, match=message):
-                model(x)
-            with pytest.raises(ValueError, match=message):
-                model(x, prior=True)
-            if training:
-                with pytest.raises(ValueError, match=message):
-                    mll(model(x), y)
-        _assert_same_caches(model, snapshot)
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, state[name]), name
-    for actual, expected in zip(_eval_process(model, X[:5]), reference, strict=True):
-        torch.testing.assert_close(actual, expected, rtol=0, atol=0)

@@ -13,15 +13,12 @@ comparison (spec G2).
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import gpytorch
 import pytest
 import torch
 
-from gpytorch_decoupled.variational import DecoupledVariationalDistribution, DecoupledVariationalStrategy
-from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrategy as ODVGPStrategy
 from tests.float64_problems import (
     F64,
     NOISE,
@@ -29,7 +26,6 @@ from tests.float64_problems import (
     decoupled_blocks,
     eye,
     finite_domain,
-    fix_hyperparameters,
     full_batch_elbo,
     gaussian_likelihood,
     generator,
@@ -54,6 +50,7 @@ from tests.oracles import (
     s_to_decoupled_precision,
     titsias_optimal_qu,
 )
+from tests.variational.mean_basis_cases import MeanBasisGP, SVGPModel, set_decoupled_state
 
 CONSTANT_MEAN = 0.7
 
@@ -63,72 +60,16 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 # --------------------------------------------------------------------------------------------------------- helpers
 
 
-def _mean_module(constant_mean: float | None) -> gpytorch.means.Mean:
-    return gpytorch.means.ZeroMean() if constant_mean is None else gpytorch.means.ConstantMean()
-
-
-class DecoupledModel(gpytorch.models.ApproximateGP):
+class DecoupledModel(MeanBasisGP):
     """A float64 Decoupled GP with an SE kernel fixed at (LENGTHSCALE, OUTPUTSCALE) and the exact KL by default."""
 
-    def __init__(
-        self,
-        beta: torch.Tensor,
-        alpha: torch.Tensor,
-        num_kl_columns: int | None = None,
-        constant_mean: float | None = None,
-        jacobi_preconditioning: bool = False,
-    ):
-        q = DecoupledVariationalDistribution(alpha.size(-2), beta.size(-2))
-        strategy = DecoupledVariationalStrategy(
-            self, beta, q, alpha, num_kl_columns=num_kl_columns, jacobi_preconditioning=jacobi_preconditioning
-        )
-        super().__init__(strategy)
-        self.mean_module = _mean_module(constant_mean)
-        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        fix_hyperparameters(self, constant_mean)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+    def __init__(self, beta: torch.Tensor, alpha: torch.Tensor, **kwargs):
+        super().__init__("decoupled", beta, alpha, **kwargs)
 
 
-class SVGPModel(gpytorch.models.ApproximateGP):
-    """GPyTorch's whitened SVGP with the same kernel and no jitter on ``K_beta`` (as the Decoupled strategy)."""
-
-    def __init__(self, beta: torch.Tensor, constant_mean: float | None = None):
-        q_u = gpytorch.variational.CholeskyVariationalDistribution(beta.size(-2))
-        super().__init__(gpytorch.variational.VariationalStrategy(self, beta, q_u, jitter_val=0.0))
-        self.mean_module = _mean_module(constant_mean)
-        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        fix_hyperparameters(self, constant_mean)
-        self.variational_strategy.variational_params_initialized.fill_(1)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-
-class ODVGPModel(gpytorch.models.ApproximateGP):
+def _odvgp_model(beta: torch.Tensor, gamma: torch.Tensor) -> MeanBasisGP:
     """The package's ODVGP with the same kernel and no jitter on ``K_beta`` (as the Decoupled strategy)."""
-
-    def __init__(self, beta: torch.Tensor, gamma: torch.Tensor):
-        q_beta = gpytorch.variational.CholeskyVariationalDistribution(beta.size(-2))
-        strategy = ODVGPStrategy(self, beta, q_beta, gamma, num_kl_columns=None, jitter_val=0.0)
-        super().__init__(strategy)
-        self.mean_module = gpytorch.means.ZeroMean()
-        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        fix_hyperparameters(self, None)
-        strategy.variational_params_initialized.fill_(1)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-
-def _set_q(model: DecoupledModel, a: torch.Tensor, L_B: torch.Tensor) -> None:
-    """Sets the raw parameters (``L_B`` as given: only its lower triangle is read)."""
-    q = model.variational_strategy._variational_distribution
-    with torch.no_grad():
-        q.mean_coefficients.copy_(a)
-        q.precision_factor.copy_(L_B)
-    model.variational_strategy._clear_cache()
+    return MeanBasisGP("orthogonal", beta, gamma, jitter_val=0.0)
 
 
 def _q(model: DecoupledModel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +85,7 @@ def _optimal_elbo(gamma, beta, X, y) -> torch.Tensor:
 
 def _set_optimum(model: DecoupledModel, alpha, beta, X, y) -> tuple[torch.Tensor, torch.Tensor]:
     a_star, _, L_star = decoupled_optimum(**decoupled_blocks(alpha, beta, X), y=y, noise=NOISE)
-    _set_q(model, a_star, L_star)
+    set_decoupled_state(model, a_star, L_star)
     return a_star, L_star
 
 
@@ -159,7 +100,7 @@ def test_predictive_matches_the_oracle(rank: int | None) -> None:
     gen = generator(1)
     a, L_B = randn(12, gen=gen), random_factor(6, gen, rank=rank, scale=0.7)
     # The upper triangle of the raw parameter is never read.
-    _set_q(model, a, L_B + torch.triu(randn(6, 6, gen=gen), diagonal=1))
+    set_decoupled_state(model, a, L_B + torch.triu(randn(6, 6, gen=gen), diagonal=1))
     torch.testing.assert_close(_q(model)[1], L_B, rtol=0, atol=0)
     X_test = X[:25]
     prior_mean = torch.full((25,), CONSTANT_MEAN, dtype=F64)
@@ -198,7 +139,7 @@ def test_k3_exact_kl_is_the_kl_of_the_predicted_process(seed: int, rank: int | N
     model = DecoupledModel(beta, alpha, constant_mean=CONSTANT_MEAN)
     gen = generator(10 + seed)
     a, L_B = randn(8, gen=gen), random_factor(6, gen, rank=rank, scale=0.7)
-    _set_q(model, a, L_B)
+    set_decoupled_state(model, a, L_B)
     strategy = model.variational_strategy
     model.eval()
     with torch.no_grad():
@@ -225,7 +166,7 @@ def test_b1_elbo_matches_the_oracle_and_is_below_the_log_marginal_likelihood(see
     model, likelihood = DecoupledModel(beta, alpha, constant_mean=CONSTANT_MEAN), gaussian_likelihood()
     gen = generator(60 + seed)
     a, L_B = 0.3 * randn(16, gen=gen), random_factor(6, gen, scale=0.7)
-    _set_q(model, a, L_B)
+    set_decoupled_state(model, a, L_B)
     with torch.no_grad():
         elbo = full_batch_elbo(model, likelihood, X, y)
     prior_mean = torch.full((60,), CONSTANT_MEAN, dtype=F64)
@@ -252,8 +193,8 @@ def test_r3_with_alpha_equal_to_beta_is_gpytorch_svgp() -> None:
     K_bb = kernel_matrix(beta, beta)
     m, S = randn(6, gen=gen), covariance_below(K_bb, gen)
     model = DecoupledModel(beta, beta.clone(), constant_mean=CONSTANT_MEAN)
-    _set_q(model, torch.linalg.solve(K_bb, m), torch.linalg.cholesky(s_to_decoupled_precision(K_bb, S)))
-    svgp = SVGPModel(beta, constant_mean=CONSTANT_MEAN)
+    set_decoupled_state(model, torch.linalg.solve(K_bb, m), torch.linalg.cholesky(s_to_decoupled_precision(K_bb, S)))
+    svgp = SVGPModel(beta, constant_mean=CONSTANT_MEAN, jitter_val=0.0)
     L = torch.linalg.cholesky(K_bb)
     q_u = svgp.variational_strategy._variational_distribution
     with torch.no_grad():
@@ -283,7 +224,7 @@ def test_r3_zero_precision_is_the_prior_covariance() -> None:
     beta, gamma, X, _ = regression_problem(3)
     model = DecoupledModel(beta, gamma, constant_mean=CONSTANT_MEAN)
     a = randn(10, gen=generator(6))
-    _set_q(model, a, torch.zeros(6, 6, dtype=F64))
+    set_decoupled_state(model, a, torch.zeros(6, 6, dtype=F64))
     model.eval()
     with torch.no_grad():
         output, prior = model(X), model(X, prior=True)
@@ -304,7 +245,7 @@ def test_s4_variance_never_exceeds_the_prior() -> None:
     X_test = torch.cat([4.4 * torch.rand(200, 2, generator=gen, dtype=F64) - 2.2, beta])
     model.eval()
     for scale in (0.1, 1.0, 30.0):  # from near the prior to a near-singular posterior at beta
-        _set_q(model, randn(10, gen=gen), random_factor(6, gen, scale=scale))
+        set_decoupled_state(model, randn(10, gen=gen), random_factor(6, gen, scale=scale))
         with torch.no_grad():
             cov, prior = model(X_test).covariance_matrix, model(X_test, prior=True).covariance_matrix
         reduction = prior - cov
@@ -313,72 +254,6 @@ def test_s4_variance_never_exceeds_the_prior() -> None:
         # The whole reduction k_xb (B^-1 + K)^-1 k_bx is PSD, not just its diagonal.
         assert torch.linalg.eigvalsh(0.5 * (reduction + reduction.mT)).min() > -1e-12
         assert (cov.diagonal() > 0).all()
-
-
-# ------------------------------------------------------------------------------------------ column-sampled KL
-def test_k5_column_sampled_kl_is_unbiased() -> None:
-    D = finite_domain(2)
-    alpha, beta, b = D[:7], D[7:12], 2
-    model = DecoupledModel(beta, alpha, num_kl_columns=b)
-    gen = generator(20)
-    a = randn(7, gen=gen)
-    _set_q(model, a, random_factor(5, gen, scale=0.7))
-    strategy = model.variational_strategy
-    exact = a @ kernel_matrix(alpha, alpha) @ a
-    model.eval()
-    with torch.no_grad():
-        exact_kl = strategy.kl_divergence()
-        torch.testing.assert_close(strategy.mean_basis_quadratic_form(), exact, rtol=1e-12, atol=0)
-        model.train()
-        estimates = torch.stack(
-            [strategy.mean_basis_quadratic_form(indices=torch.tensor(C)) for C in itertools.combinations(range(7), b)]
-        )
-    # Exhaustive average over all 21 samples of size 2 is the exact value.
-    assert estimates.unique().numel() > 1
-    torch.testing.assert_close(estimates.mean(), exact, rtol=1e-12, atol=1e-12)
-
-    # Random draws of the training KL: every draw is one of the 21 estimates (b distinct rows, scaled by M_alpha / b)
-    # plus the exact covariance part, and the Monte-Carlo mean is within 4 standard errors.
-    num_draws = 800
-    with torch.no_grad(), torch.random.fork_rng():
-        torch.manual_seed(0)
-        draws = torch.stack([strategy.kl_divergence() for _ in range(num_draws)])
-    sampled_quadratic = 2.0 * (draws - exact_kl) + exact
-    distance = (sampled_quadratic.unsqueeze(-1) - estimates).abs().min(-1).values
-    assert distance.max() < 1e-10 * exact.abs()
-    standard_error = (estimates.var(unbiased=False) / num_draws).sqrt()
-    assert (draws.mean() - exact_kl).abs() < 4.0 * standard_error / 2.0
-
-    # In a training step the forward pass draws the sample (fused with the data's kernel row) and the KL reuses it:
-    # again one of the 21 estimates.
-    with torch.no_grad(), torch.random.fork_rng():
-        torch.manual_seed(1)
-        for _ in range(20):
-            model(D[12:20])
-            step_kl = strategy.kl_divergence()
-            assert strategy.kl_divergence() == step_kl
-            distance = (2.0 * (step_kl - exact_kl) + exact - estimates).abs().min()
-            assert distance < 1e-10 * exact.abs()
-
-
-def test_k5_column_sampled_gradient_is_unbiased() -> None:
-    D = finite_domain(3)
-    alpha, beta = D[:6], D[6:11]
-    model = DecoupledModel(beta, alpha, num_kl_columns=2)
-    gen = generator(30)
-    _set_q(model, randn(6, gen=gen), random_factor(5, gen, scale=0.7))
-    strategy = model.variational_strategy
-    model.train()
-    q = strategy._variational_distribution
-    params = [q.mean_coefficients, model.covar_module.raw_outputscale, strategy.mean_inducing_points]
-
-    def gradient(indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.autograd.grad(strategy.mean_basis_quadratic_form(indices=indices), params)
-
-    exact = gradient(torch.arange(6))
-    grads = [gradient(torch.tensor(C)) for C in itertools.combinations(range(6), 2)]
-    for i, expected in enumerate(exact):
-        torch.testing.assert_close(torch.stack([g[i] for g in grads]).mean(0), expected, rtol=1e-11, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------------ KL gradients
@@ -391,7 +266,7 @@ def test_g1_kl_gradients_match_cheng_and_boots(rank: int | None) -> None:
     model = DecoupledModel(beta, alpha)
     gen = generator(40)
     a, L_B = randn(9, gen=gen), random_factor(6, gen, rank=rank, scale=0.7)
-    _set_q(model, a, L_B)
+    set_decoupled_state(model, a, L_B)
     q = model.variational_strategy._variational_distribution
     model.train()
     grad_a, grad_L = torch.autograd.grad(
@@ -476,7 +351,7 @@ def test_b5_optimum_is_the_odvgp_optimum() -> None:
     alpha = torch.cat([gamma, beta])
     model, likelihood = DecoupledModel(beta, alpha), gaussian_likelihood()
     _set_optimum(model, alpha, beta, X, y)
-    odvgp = ODVGPModel(beta, gamma)
+    odvgp = _odvgp_model(beta, gamma)
     a_gamma, m_beta, S = odvgp_optimum(**odvgp_blocks(gamma, beta, X), y=y, noise=NOISE)
     L = torch.linalg.cholesky(kernel_matrix(beta, beta))
     with torch.no_grad():
@@ -509,8 +384,8 @@ def test_duplicate_covariance_basis_points_are_harmless() -> None:
     a, L_B = randn(10, gen=gen), random_factor(6, gen, scale=0.7)
     duplicated, deduplicated = DecoupledModel(beta_dup, gamma), DecoupledModel(beta, gamma)
     B_dedup = P @ L_B @ L_B.mT @ P.mT
-    _set_q(duplicated, a, L_B)
-    _set_q(deduplicated, a, torch.linalg.cholesky(0.5 * (B_dedup + B_dedup.mT)))
+    set_decoupled_state(duplicated, a, L_B)
+    set_decoupled_state(deduplicated, a, torch.linalg.cholesky(0.5 * (B_dedup + B_dedup.mT)))
     likelihood = gaussian_likelihood()
     elbo = full_batch_elbo(duplicated, likelihood, X, y)
     q = duplicated.variational_strategy._variational_distribution
@@ -565,8 +440,8 @@ def test_jacobi_preconditioning_does_not_change_the_optimum() -> None:
     # Away from the optimum: the same process for the mapped raw parameters; the raw gradients scale by 1 / diag(K).
     gen = generator(90)
     a, L_B = randn(16, gen=gen), random_factor(6, gen, scale=0.7)
-    _set_q(plain, a, L_B)
-    _set_q(preconditioned, d_alpha * a, d_beta.unsqueeze(-1) * L_B)
+    set_decoupled_state(plain, a, L_B)
+    set_decoupled_state(preconditioned, d_alpha * a, d_beta.unsqueeze(-1) * L_B)
     torch.testing.assert_close(_q(preconditioned)[0], a, rtol=1e-14, atol=0)
     torch.testing.assert_close(_q(preconditioned)[1], L_B, rtol=1e-14, atol=1e-16)
     q_plain = plain.variational_strategy._variational_distribution
@@ -596,7 +471,7 @@ def test_jacobi_preconditioning_does_not_change_the_optimum() -> None:
         noise=NOISE,
     )
     torch.testing.assert_close(elbo_star, value, rtol=1e-10, atol=0)
-    _set_q(preconditioned, d_alpha * a_star, d_beta.unsqueeze(-1) * L_star)
+    set_decoupled_state(preconditioned, d_alpha * a_star, d_beta.unsqueeze(-1) * L_star)
     elbo = full_batch_elbo(preconditioned, likelihood, X, y)
     torch.testing.assert_close(elbo.detach(), elbo_star, rtol=1e-10, atol=0)
     for grad in torch.autograd.grad(elbo, [q_pre.mean_coefficients, q_pre.precision_factor]):

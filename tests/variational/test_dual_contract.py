@@ -1,7 +1,8 @@
 """The GPyTorch contract for DualVariationalStrategy (both objectives, batched latents) and what is specific to t-SVGP:
 sites that are buffers (set by DualEStep, carried by state_dict and pickles, never moved by a gradient optimizer),
-float32 and float64, IndependentMultitask wrapping (KL and E-step through the wrapper), the LMC wrapper refused by the
-E-step, input validation that leaves the sites unchanged, and the per-datum mode's index checks."""
+float32 and float64, IndependentMultitask wrapping (KL and E-step through the wrapper) and the construction checks.
+The E-step's own contract (bad input, the per-datum indices, reused factors) is in ``tests/optim/test_dual_e_step.py``.
+"""
 
 from __future__ import annotations
 
@@ -19,15 +20,19 @@ from gpytorch_decoupled.optim import DualEStep
 from gpytorch_decoupled.variational import (
     DualVariationalDistribution,
     DualVariationalStrategy,
-    IndependentMultitaskVariationalStrategy,
-    LMCVariationalStrategy,
 )
-from tests.dual_problems import DualGP, N, oracle_blocks, problem, site_values
+from tests.dual_problems import (
+    DualGP,
+    MultitaskDualGP,
+    assert_same_state,
+    em_model,
+    oracle_blocks,
+    problem,
+    site_values,
+    state_snapshot,
+)
 from tests.float64_problems import (
     F64,
-    JITTER,
-    assert_close,
-    bernoulli_likelihood,
     gaussian_likelihood,
     generator,
     randn,
@@ -132,30 +137,6 @@ class TestDualObjectiveContract(TestDualContract):
 
 
 # ------------------------------------------------------------------------------------------ state and copies
-class NaNLikelihood(gpytorch.likelihoods.GaussianLikelihood):
-    """A likelihood whose expected log-likelihood is NaN (as a broken custom likelihood would give)."""
-
-    def expected_log_prob(self, target, input, *params, **kwargs):
-        return super().expected_log_prob(target, input, *params, **kwargs) * float("nan")
-
-
-def _em_model(per_datum: bool = False, batch_shape: torch.Size = torch.Size([])):
-    """A float64 model after two E-steps (r = 0.7) and two Adam M-steps, and its data."""
-    Z, X, y = problem()
-    model, likelihood = DualGP(Z, batch_shape=batch_shape, datum_inputs=X if per_datum else None), gaussian_likelihood()
-    e_step = DualEStep(model, likelihood, num_data=X.size(0), lr=0.7)
-    optimizer = torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=0.05)
-    objective = DualVariationalELBO(likelihood, model, num_data=X.size(0))
-    indices = torch.arange(X.size(0)) if per_datum else None
-    for _ in range(2):
-        e_step.step(X, y, indices)
-        model.train()
-        optimizer.zero_grad()
-        (-objective(model(X), y).sum()).backward()
-        optimizer.step()
-    return model, likelihood, X, y
-
-
 def _eval_prediction(model, x):
     model.eval()
     with torch.no_grad():
@@ -163,20 +144,9 @@ def _eval_prediction(model, x):
         return output.mean, output.covariance_matrix
 
 
-def _state(module) -> dict[str, torch.Tensor]:
-    return {name: value.clone() for name, value in module.state_dict().items()}
-
-
-def _assert_same_state(module, state: dict[str, torch.Tensor]) -> None:
-    now = module.state_dict()
-    assert now.keys() == state.keys()
-    for name, value in state.items():
-        assert torch.equal(now[name], value), name
-
-
 @pytest.mark.parametrize("per_datum", [False, True])
 def test_state_dict_round_trip_of_the_sites_after_e_steps(per_datum: bool) -> None:
-    model, _, X, _ = _em_model(per_datum)
+    model, _, X, _ = em_model(per_datum)
     expected = _eval_prediction(model, X[:20])
     Z, _, _ = problem(1)  # another model: other inducing inputs, zero sites
     fresh = DualGP(Z, datum_inputs=X if per_datum else None)
@@ -190,7 +160,7 @@ def test_state_dict_round_trip_of_the_sites_after_e_steps(per_datum: bool) -> No
 
 @pytest.mark.parametrize("per_datum", [False, True])
 def test_pickle_and_deepcopy_after_e_steps(per_datum: bool) -> None:
-    model, likelihood, X, y = _em_model(per_datum)
+    model, likelihood, X, y = em_model(per_datum)
     expected = _eval_prediction(model, X[:20])
     for clone in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
         for a, e in zip(_eval_prediction(clone, X[:20]), expected, strict=True):
@@ -212,7 +182,7 @@ def _oracle_eval_mean(model, X_test: torch.Tensor) -> torch.Tensor:
 
 
 def test_e_step_in_eval_mode_refreshes_the_eval_caches() -> None:
-    model, likelihood, X, y = _em_model()
+    model, likelihood, X, y = em_model()
     before, _ = _eval_prediction(model, X[:20])  # fills the eval caches
     DualEStep(model, likelihood, num_data=X.size(0), lr=1.0).step(X[:30], y[:30])
     assert not model.training
@@ -222,8 +192,8 @@ def test_e_step_in_eval_mode_refreshes_the_eval_caches() -> None:
 
 
 def test_load_state_dict_into_a_model_with_warm_eval_caches() -> None:
-    model, _, X, _ = _em_model()
-    other, _, _, _ = _em_model(per_datum=False, batch_shape=torch.Size([]))
+    model, _, X, _ = em_model()
+    other, _, _, _ = em_model(per_datum=False, batch_shape=torch.Size([]))
     DualEStep(other, gaussian_likelihood(), num_data=X.size(0), lr=1.0).step(X[:20], -X[:20, 0])
     _eval_prediction(model, X[:20])  # warm caches of the old sites
     model.load_state_dict(other.state_dict())
@@ -234,7 +204,7 @@ def test_load_state_dict_into_a_model_with_warm_eval_caches() -> None:
 
 
 def test_float32_and_float64_agree() -> None:
-    model64, likelihood64, X, y = _em_model()
+    model64, likelihood64, X, y = em_model()
     model32 = copy.deepcopy(model64).float()
     likelihood32 = copy.deepcopy(likelihood64).float()
     for model, likelihood, dtype in ((model64, likelihood64, F64), (model32, likelihood32, torch.float32)):
@@ -249,7 +219,7 @@ def test_float32_and_float64_agree() -> None:
 
 
 def test_to_float64_after_an_eval_pass() -> None:
-    model64, likelihood, X, y = _em_model()
+    model64, likelihood, X, y = em_model()
     model = copy.deepcopy(model64).float()
     _eval_prediction(model, X[:20].float())  # fills float32 eval caches
     model.double()
@@ -263,12 +233,12 @@ def test_to_float64_after_an_eval_pass() -> None:
 
 @pytest.mark.cuda
 def test_e_step_and_prediction_on_cuda_match_the_cpu() -> None:
-    model, likelihood, X, y = _em_model()
+    model, likelihood, X, y = em_model()
     cpu_model, cpu_likelihood = copy.deepcopy(model), copy.deepcopy(likelihood)
-    state = _state(model)
+    state = state_snapshot(model)
     with pytest.raises(ValueError, match="cuda"):  # a batch on another device than the model
         DualEStep(model, likelihood, num_data=X.size(0), lr=0.5).step(X.cuda(), y)
-    _assert_same_state(model, state)
+    assert_same_state(model, state)
     model.cuda()
     likelihood.cuda()
     DualEStep(model, likelihood, num_data=X.size(0), lr=0.5).step(X.cuda(), y.cuda())
@@ -281,7 +251,7 @@ def test_e_step_and_prediction_on_cuda_match_the_cpu() -> None:
 
 
 def test_prior_call_ignores_the_sites() -> None:
-    model, _, X, _ = _em_model()
+    model, _, X, _ = em_model()
     for mode in (True, False):
         model.train(mode)
         with torch.no_grad():
@@ -291,26 +261,6 @@ def test_prior_call_ignores_the_sites() -> None:
 
 
 # ------------------------------------------------------------------------------------------ multitask wrappers
-class MultitaskDualGP(gpytorch.models.ApproximateGP):
-    """One t-SVGP latent per task (batch [T]) in the IndependentMultitask wrapper, or T latents mixed by LMC."""
-
-    def __init__(self, Z, num_tasks: int, wrapper: str = "imt"):
-        q = DualVariationalDistribution(Z.size(-2), batch_shape=torch.Size([num_tasks]))
-        base = DualVariationalStrategy(self, Z, q, jitter_val=JITTER)
-        if wrapper == "imt":
-            strategy = IndependentMultitaskVariationalStrategy(base, num_tasks=num_tasks)
-        else:
-            strategy = LMCVariationalStrategy(base, num_tasks=num_tasks, num_latents=num_tasks)
-        super().__init__(strategy)
-        self.mean_module = gpytorch.means.ZeroMean()
-        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        self.double()
-        self.covar_module.base_kernel.lengthscale = torch.tensor(0.7, dtype=F64)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-
 def test_e_step_and_kl_through_the_independent_multitask_wrapper() -> None:
     # One r = 1 E-step with a multitask Gaussian likelihood gives each task's Titsias q* with that task's noise, and
     # the wrapper's KL is the sum of the per-task Gaussian KLs.
@@ -342,27 +292,6 @@ def _sites_of(strategy) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(site.clone() for site in strategy._variational_distribution())
 
 
-def test_lmc_wrapper_is_refused_by_the_e_step_and_the_objective() -> None:
-    # Mixed latents have no per-latent marginal expected log-likelihood: the closed-form E-step is undefined.
-    Z, _, _ = problem()
-    model = MultitaskDualGP(Z, num_tasks=2, wrapper="lmc")
-    likelihood = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2).double()
-    with pytest.raises(TypeError, match="DualEStep needs a model whose variational strategy is a Dual"):
-        DualEStep(model, likelihood, num_data=60)
-    with pytest.raises(TypeError, match="DualVariationalELBO needs"):
-        DualVariationalELBO(likelihood, model, num_data=60)
-
-
-def test_other_strategies_are_refused() -> None:
-    Z, _, _ = problem()
-    svgp = DualGP(Z)
-    svgp.variational_strategy = gpytorch.variational.VariationalStrategy(
-        svgp, Z, gpytorch.variational.CholeskyVariationalDistribution(Z.size(0))
-    )
-    with pytest.raises(TypeError, match="DualEStep needs"):
-        DualEStep(svgp, gaussian_likelihood(), num_data=60)
-
-
 # -------------------------------------------------------------------------------------------------- construction
 @pytest.mark.parametrize(
     "distribution",
@@ -386,90 +315,6 @@ def test_size_mismatch_and_bad_datum_inputs_are_refused() -> None:
             DualVariationalDistribution(10, datum_inputs=datum_inputs)
 
 
-@pytest.mark.parametrize("kwargs", [{"lr": 0.0}, {"lr": 1.5}, {"num_data": 0}, {"min_curvature": 0.0}])
-def test_bad_e_step_settings_are_refused(kwargs) -> None:
-    Z, _, _ = problem()
-    settings = {"num_data": 60, "lr": 1.0, **kwargs}
-    with pytest.raises(ValueError, match="need 0 < lr <= 1"):
-        DualEStep(DualGP(Z), gaussian_likelihood(), **settings)
-
-
-# -------------------------------------------------------------------------------------------------- bad input
-def _bad_inputs(X: torch.Tensor, y: torch.Tensor) -> dict[str, tuple]:
-    nan_x, nan_y = X.clone(), y.clone()
-    nan_x[3, 1] = float("nan")
-    nan_y[5] = float("nan")
-    return {
-        "x width": (X[:, :1], y, ValueError, "dimensions"),
-        "x dtype": (X.float(), y, ValueError, "float32"),
-        "x device": (torch.empty_like(X, device="meta"), y, ValueError, "meta"),
-        "x NaN": (nan_x, y, ValueError, "NaN"),
-        "y NaN": (X, nan_y, ValueError, "NaN"),
-        "y length": (X, y[:-1], ValueError, "B rows"),
-        "x not a matrix": (X.unsqueeze(0), y, ValueError, "shape"),
-    }
-
-
-@pytest.mark.parametrize("case", list(_bad_inputs(torch.zeros(8, 2), torch.zeros(8))))
-@pytest.mark.parametrize("per_datum", [False, True])
-def test_bad_input_raises_and_leaves_the_sites_unchanged(case: str, per_datum: bool) -> None:
-    model, likelihood, X, y = _em_model(per_datum)
-    x_bad, y_bad, error, message = _bad_inputs(X, y)[case]
-    state = _state(model)
-    e_step = DualEStep(model, likelihood, num_data=X.size(0), lr=0.5)
-    indices = torch.arange(X.size(0)) if per_datum else None
-    with pytest.raises(error, match=message):
-        e_step.step(x_bad, y_bad, indices)
-    _assert_same_state(model, state)
-    e_step.step(X, y, indices)  # and the E-step still works afterwards
-    assert not torch.equal(site_values(model)[0], state[_site_mean_name(per_datum)])
-
-
-def _site_mean_name(per_datum: bool) -> str:
-    return "variational_strategy._variational_distribution." + ("datum_site_mean" if per_datum else "site_mean")
-
-
-@pytest.mark.parametrize("per_datum", [False, True])
-def test_a_likelihood_producing_nan_raises_and_leaves_the_sites_unchanged(per_datum: bool) -> None:
-    model, _, X, y = _em_model(per_datum)
-    state = _state(model)
-    likelihood = NaNLikelihood().double()
-    e_step = DualEStep(model, likelihood, num_data=X.size(0), lr=0.5)
-    with pytest.raises(RuntimeError, match="non-finite"):
-        e_step.step(X, y, torch.arange(X.size(0)) if per_datum else None)
-    _assert_same_state(model, state)
-
-
-def test_per_datum_mode_needs_the_batch_indices() -> None:
-    model, likelihood, X, y = _em_model(per_datum=True)
-    state = _state(model)
-    e_step = DualEStep(model, likelihood, num_data=X.size(0), lr=0.5)
-    batch = torch.tensor([4, 9, 11, 30])
-    for indices in (None, batch[:3], batch.unsqueeze(0)):
-        with pytest.raises(ValueError, match="indices"):
-            e_step.step(X[batch], y[batch], indices)
-    with pytest.raises(ValueError, match=r"x is not datum_inputs\[indices\]"):
-        e_step.step(X[batch], y[batch], batch + 1)
-    _assert_same_state(model, state)
-    # With the right indices only those sites move (no n / B scale: sites are per datum).
-    lam1_before = site_values(model)[0]
-    e_step.step(X[batch], y[batch], batch)
-    lam1 = site_values(model)[0]
-    changed = (lam1 != lam1_before).nonzero().squeeze(-1)
-    assert torch.equal(changed, batch)
-    target = y[batch] / likelihood.noise.detach()  # Gaussian: g_1 = y / sigma^2 whatever q is
-    torch.testing.assert_close(lam1[batch], 0.5 * lam1_before[batch] + 0.5 * target, rtol=1e-12, atol=0)
-
-
-def test_u_space_mode_ignores_indices() -> None:
-    model, likelihood, X, y = _em_model()
-    other = copy.deepcopy(model)
-    DualEStep(model, likelihood, num_data=X.size(0), lr=0.5).step(X[:12], y[:12], torch.arange(12) + 5)
-    DualEStep(other, likelihood, num_data=X.size(0), lr=0.5).step(X[:12], y[:12])
-    for a, b in zip(site_values(model), site_values(other), strict=True):
-        assert torch.equal(a, b)
-
-
 def test_random_sites_helper_is_deterministic() -> None:
     # The contract factory's sites are reproducible, so a fresh model's state equals another fresh model's.
     first = DualVariationalDistribution(5)
@@ -477,47 +322,3 @@ def test_random_sites_helper_is_deterministic() -> None:
     dual_strategy(gpytorch.models.ApproximateGP(None), randn(5, 2, gen=generator(0)).float(), first)
     dual_strategy(gpytorch.models.ApproximateGP(None), randn(5, 2, gen=generator(0)).float(), second)
     assert torch.equal(first.site_mean, second.site_mean) and first.site_mean.abs().max() > 0
-
-
-def test_consecutive_e_steps_reuse_the_factors_exactly_and_any_model_change_invalidates_them() -> None:
-    """Steps at fixed hyperparameters reuse the factors the previous step computed (no refactorization of K_uu and
-    H); the result equals fresh computations, and a changed hyperparameter or site forces a fresh computation."""
-    Z, X, y = problem()
-    # Bernoulli, so that the targets depend on q and a wrong reused factor would show in the sites.
-    likelihood, y = bernoulli_likelihood(), (y > 0).to(y)
-
-    def run(reuse: bool, change_between: bool) -> DualGP:
-        model = DualGP(Z)
-        e_step = DualEStep(model, likelihood, num_data=N, lr=0.5)
-        factorizations = unittest.mock.patch.object(
-            DualVariationalStrategy,
-            "posterior_factors",
-            autospec=True,
-            side_effect=DualVariationalStrategy.posterior_factors,
-        )
-        with factorizations as posterior_factors:
-            steps = run_steps(model, e_step, reuse, change_between)
-        # Without reuse every step factorizes; with it only the first step and the one after the change do.
-        expected = steps if not reuse else 1 + change_between
-        assert posterior_factors.call_count == expected
-        if change_between:
-            with torch.no_grad():
-                model.variational_strategy._variational_distribution.site_mean.add_(1.0)
-            assert e_step._reusable_factors() is None
-        return model
-
-    def run_steps(model: DualGP, e_step: DualEStep, reuse: bool, change_between: bool) -> int:
-        batches = torch.arange(N).split(15)
-        for step, batch in enumerate(batches):
-            if not reuse:
-                e_step._last_factors = None
-            if change_between and step == 2:
-                with torch.no_grad():
-                    model.covar_module.base_kernel.raw_lengthscale.add_(0.1)
-            e_step.step(X[batch], y[batch])
-        return len(batches)
-
-    for change_between in (False, True):
-        reused, fresh = run(True, change_between), run(False, change_between)
-        for first, second in zip(site_values(reused), site_values(fresh)):
-            assert_close(first, second, rtol=1e-12, atol=1e-12)

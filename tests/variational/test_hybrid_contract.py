@@ -19,6 +19,7 @@ from gpytorch_decoupled.variational import (
     convert_mean_basis,
 )
 from tests.strategy_contract_test_case import DecoupledStrategyContractTestCase, residual_mean_strategy
+from tests.variational.mean_basis_cases import assert_same_process, eval_process, set_whitened_q
 
 F64 = torch.float64
 
@@ -115,84 +116,11 @@ def _random_state(model: MeanBasisGP, seed: int) -> None:
         model.covar_module.raw_outputscale.fill_(0.4)
         model.mean_module.constant.fill_(0.25)
         strategy.mean_coefficients.copy_(torch.randn(strategy.mean_coefficients.shape, generator=gen, dtype=F64))
-        q = strategy._variational_distribution
         m_w = torch.randn(m_beta, generator=gen, dtype=F64)
         A = 0.3 * torch.randn(m_beta, m_beta, generator=gen, dtype=F64)
         S_w = A @ A.mT + 0.2 * torch.eye(m_beta, dtype=F64)  # cond(S_w) ~ 10: the natural parameters are exact
-        if isinstance(q, gpytorch.variational.NaturalVariationalDistribution):
-            precision = torch.linalg.inv(S_w)
-            q.natural_vec.copy_(precision @ m_w)
-            q.natural_mat.copy_(-0.5 * precision)
-        else:
-            q.variational_mean.copy_(m_w)
-            q.chol_variational_covar.copy_(torch.linalg.cholesky(S_w))
+    set_whitened_q(model, m_w, S_w)
     strategy.variational_params_initialized.fill_(1)
-
-
-def _eval_process(model: MeanBasisGP, x: torch.Tensor):
-    """Mean, full covariance and (exact, eval-mode) KL of the model's process."""
-    model.eval()
-    with torch.no_grad():
-        output = model(x)
-        return output.mean, output.covariance_matrix, model.variational_strategy.kl_divergence()
-
-
-def _assert_same_process(first, second, tol: float = 1e-10) -> None:
-    for actual, expected in zip(first, second, strict=True):
-        torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
-
-
-def _cache_snapshot(model) -> dict:
-    return {
-        name: dict(module._memoize_cache) for name, module in model.named_modules() if hasattr(module, "_memoize_cache")
-    }
-
-
-def _assert_same_caches(model, snapshot: dict) -> None:
-    after = _cache_snapshot(model)
-    assert after.keys() == snapshot.keys()
-    for name, cache in snapshot.items():
-        assert after[name].keys() == cache.keys(), name
-        for key, value in cache.items():
-            assert after[name][key] is value, (name, key)
-
-
-# ------------------------------------------------------------------------------------------------------ bad input
-@pytest.mark.parametrize(
-    "distribution_cls",
-    [gpytorch.variational.CholeskyVariationalDistribution, gpytorch.variational.NaturalVariationalDistribution],
-)
-def test_bad_inputs_raise_and_change_nothing(distribution_cls) -> None:
-    beta, gamma, X, y = _problem(1)
-    model = MeanBasisGP(HybridVariationalStrategy, distribution_cls, beta, gamma, num_kl_columns=6)
-    _random_state(model, 2)
-    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
-    mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=X.size(0))
-    state = {name: value.clone() for name, value in model.state_dict().items()}
-    reference = _eval_process(model, X[:5])  # leaves the eval caches filled
-    with_nan = X.clone()
-    with_nan[3, 1] = float("nan")
-    with_inf = X.clone()
-    with_inf[0, 0] = float("inf")
-    bad_inputs = [(X[:, :1], "dimensions"), (with_nan, "NaN"), (with_inf, "inf"), (X.float(), "float32")]
-    for training in (False, True):
-        model.train(training)
-        if training:  # a training step leaves its own caches; a refused call must not clear them
-            mll(model(X), y)
-        snapshot = _cache_snapshot(model)
-        assert any(snapshot.values())
-        for x, message in bad_inputs:
-            with pytest.raises(ValueError, match=message):
-                model(x)
-            with pytest.raises(ValueError, match=message):
-                model(x, prior=True)
-            if training:
-                with pytest.raises(ValueError, match=message):
-                    mll(model(x), y)
-        _assert_same_caches(model, snapshot)
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, state[name]), name
-    _assert_same_process(_eval_process(model, X[:5]), reference, tol=0.0)
 
 
 # ----------------------------------------------------------------------------------------- convert_mean_basis
@@ -210,14 +138,14 @@ def test_convert_mean_basis_round_trip_is_exact(source_q, target_q) -> None:
     _random_state(hybrid, 4)
     orthogonal = MeanBasisGP(OrthogonallyDecoupledVariationalStrategy, target_q, beta + 0.3, gamma - 0.3)
     back = MeanBasisGP(HybridVariationalStrategy, source_q, beta - 0.2, gamma + 0.2)
-    expected = _eval_process(hybrid, X)
+    expected = eval_process(hybrid, X)
     assert expected[2].item() > 1.0  # a process well away from the prior, so that a wrong shift shows
 
     convert_mean_basis(hybrid.variational_strategy, orthogonal.variational_strategy)
-    _assert_same_process(_eval_process(orthogonal, X), expected)
+    assert_same_process(eval_process(orthogonal, X), expected)
     convert_mean_basis(orthogonal.variational_strategy, back.variational_strategy)
-    _assert_same_process(_eval_process(back, X), expected)
-    _assert_same_process(_eval_process(hybrid, X), expected, tol=0.0)  # the source is left as it was
+    assert_same_process(eval_process(back, X), expected)
+    assert_same_process(eval_process(hybrid, X), expected, tol=0.0)  # the source is left as it was
     for name, value in hybrid.state_dict().items():
         torch.testing.assert_close(back.state_dict()[name], value, rtol=1e-10, atol=1e-10, msg=name)
 
@@ -244,7 +172,7 @@ def test_convert_mean_basis_initializes_a_fresh_source_as_gpytorch_would() -> No
     convert_mean_basis(hybrid.variational_strategy, orthogonal.variational_strategy)
     assert hybrid.variational_strategy.variational_params_initialized.item()
     assert orthogonal.variational_strategy.variational_params_initialized.item()
-    _assert_same_process(_eval_process(orthogonal, X), _eval_process(hybrid, X))
+    assert_same_process(eval_process(orthogonal, X), eval_process(hybrid, X))
 
 
 class _DecoupledGP(gpytorch.models.ApproximateGP):
@@ -315,4 +243,4 @@ def test_convert_mean_basis_to_a_mean_field_target_with_a_diagonal_covariance_is
         OrthogonallyDecoupledVariationalStrategy, gpytorch.variational.MeanFieldVariationalDistribution, beta, gamma
     )
     convert_mean_basis(hybrid.variational_strategy, orthogonal.variational_strategy)
-    _assert_same_process(_eval_process(orthogonal, X), _eval_process(hybrid, X))
+    assert_same_process(eval_process(orthogonal, X), eval_process(hybrid, X))

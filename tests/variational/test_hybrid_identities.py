@@ -18,18 +18,13 @@ import pytest
 import torch
 
 from gpytorch_decoupled.variational import (
-    DecoupledVariationalDistribution,
-    DecoupledVariationalStrategy,
-    HybridVariationalStrategy,
     convert_mean_basis,
 )
-from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrategy as ODVGPStrategy
 from tests.float64_problems import (
     F64,
     JITTER,
     NOISE,
     finite_domain,
-    fix_hyperparameters,
     full_batch_elbo,
     gaussian_likelihood,
     generator,
@@ -54,9 +49,9 @@ from tests.oracles import (
     odvgp_optimum,
     odvgp_to_hybrid,
     process_kl,
-    svgp_kl,
     titsias_optimal_qu,
 )
+from tests.variational.mean_basis_cases import MeanBasisGP, residual_state, set_residual_state
 
 CONSTANT_MEAN = 0.7
 
@@ -66,90 +61,15 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 # --------------------------------------------------------------------------------------------------------- helpers
 
 
-class MeanBasisModel(gpytorch.models.ApproximateGP):
-    """A float64 Hybrid (or ODVGP) GP with an SE kernel fixed at (LENGTHSCALE, OUTPUTSCALE) and the exact KL."""
-
-    def __init__(
-        self,
-        beta: torch.Tensor,
-        gamma: torch.Tensor,
-        strategy_cls=HybridVariationalStrategy,
-        distribution_cls=gpytorch.variational.CholeskyVariationalDistribution,
-        constant_mean: float | None = CONSTANT_MEAN,
-    ):
-        q_beta = distribution_cls(beta.size(-2))
-        strategy = strategy_cls(self, beta, q_beta, gamma, num_kl_columns=None, jitter_val=JITTER)
-        super().__init__(strategy)
-        self.mean_module = gpytorch.means.ZeroMean() if constant_mean is None else gpytorch.means.ConstantMean()
-        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        fix_hyperparameters(self, constant_mean)
-        # Fix q(u) now: the first call would otherwise overwrite what a test sets with the prior.
-        strategy.variational_params_initialized.fill_(1)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+def _model(beta: torch.Tensor, gamma: torch.Tensor, kind: str = "hybrid", **kwargs) -> MeanBasisGP:
+    """A float64 Hybrid (or ODVGP) GP with the SE kernel fixed at (LENGTHSCALE, OUTPUTSCALE), the constant prior mean
+    CONSTANT_MEAN and the exact KL."""
+    return MeanBasisGP(kind, beta, gamma, constant_mean=CONSTANT_MEAN, **kwargs)
 
 
-class SVGPModel(gpytorch.models.ApproximateGP):
-    """GPyTorch's whitened SVGP with the same kernel, mean and jitter as :class:`MeanBasisModel`."""
-
-    def __init__(self, beta: torch.Tensor):
-        q_u = gpytorch.variational.CholeskyVariationalDistribution(beta.size(-2))
-        super().__init__(gpytorch.variational.VariationalStrategy(self, beta, q_u, jitter_val=JITTER))
-        self.mean_module = gpytorch.means.ConstantMean()
-        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        fix_hyperparameters(self, CONSTANT_MEAN)
-        self.variational_strategy.variational_params_initialized.fill_(1)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-
-class DecoupledModel(gpytorch.models.ApproximateGP):
+def _decoupled_model(beta: torch.Tensor, alpha: torch.Tensor) -> MeanBasisGP:
     """The Decoupled GP with the same kernel (it adds no jitter), exact KL, zero prior mean."""
-
-    def __init__(self, beta: torch.Tensor, alpha: torch.Tensor):
-        q = DecoupledVariationalDistribution(alpha.size(-2), beta.size(-2))
-        super().__init__(DecoupledVariationalStrategy(self, beta, q, alpha, num_kl_columns=None))
-        self.mean_module = gpytorch.means.ZeroMean()
-        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        fix_hyperparameters(self)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-
-def _whiten(beta: torch.Tensor, m_beta: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    L = torch.linalg.cholesky(jittered_kernel_matrix(beta))
-    m_w = torch.linalg.solve_triangular(L, m_beta.unsqueeze(-1), upper=False).squeeze(-1)
-    S_w = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L, S, upper=False).mT, upper=False)
-    return m_w, 0.5 * (S_w + S_w.mT)
-
-
-def _set_q(model: MeanBasisModel, a_gamma: torch.Tensor, m_beta: torch.Tensor, S: torch.Tensor) -> None:
-    """Sets ``a_gamma`` and the **unwhitened** ``(m_beta, S)`` on a Cholesky or natural q(u_beta)."""
-    strategy = model.variational_strategy
-    m_w, S_w = _whiten(strategy.inducing_points.detach(), m_beta, S)
-    q = strategy._variational_distribution
-    with torch.no_grad():
-        strategy.mean_coefficients.copy_(a_gamma)
-        if isinstance(q, gpytorch.variational.NaturalVariationalDistribution):
-            precision = torch.linalg.inv(S_w)
-            q.natural_vec.copy_(precision @ m_w)
-            q.natural_mat.copy_(-0.5 * precision)
-        else:
-            q.variational_mean.copy_(m_w)
-            q.chol_variational_covar.copy_(torch.linalg.cholesky(S_w))
-    strategy._clear_cache()
-
-
-def _state(model: MeanBasisModel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(a_gamma, m_beta, S)`` of the strategy's current state, unwhitened with the oracle's jittered Cholesky."""
-    strategy = model.variational_strategy
-    L = torch.linalg.cholesky(jittered_kernel_matrix(strategy.inducing_points.detach()))
-    q = strategy._variational_distribution()  # not the strategy's property: GPyTorch memoizes it until the next call
-    m_beta, S = L @ q.mean.detach(), L @ q.covariance_matrix.detach() @ L.mT
-    return strategy.mean_coefficients.detach().clone(), m_beta, 0.5 * (S + S.mT)
+    return MeanBasisGP("decoupled", beta, alpha)
 
 
 def _random_state(gen: torch.Generator, m_gamma: int = 10, m_beta: int = 6):
@@ -180,9 +100,9 @@ def _oracle_elbo(beta, gamma, X, y, a_gamma, m_beta, S) -> torch.Tensor:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_predictive_kl_and_elbo_match_the_oracles(seed: int) -> None:
     beta, gamma, X, y = regression_problem(seed)
-    model, likelihood = MeanBasisModel(beta, gamma), gaussian_likelihood()
-    _set_q(model, *_random_state(generator(20 + seed)))
-    a_gamma, m_beta, S = _state(model)
+    model, likelihood = _model(beta, gamma), gaussian_likelihood()
+    set_residual_state(model, *_random_state(generator(20 + seed)))
+    a_gamma, m_beta, S = residual_state(model)
     X_test = torch.cat([X[:20], beta])
     K_ss = kernel_matrix(X_test, X_test) + JITTER * torch.eye(26, dtype=F64)
     prior_mean = torch.full((26,), CONSTANT_MEAN, dtype=F64)
@@ -233,8 +153,8 @@ def test_predictive_kl_and_elbo_match_the_oracles(seed: int) -> None:
 def test_k2_kl_is_the_kl_of_the_predicted_process(seed: int) -> None:
     D = finite_domain(seed)
     beta, gamma = D[:5], D[5:11]  # the other 19 points stand for data and test inputs
-    model = MeanBasisModel(beta, gamma)
-    _set_q(model, *_random_state(generator(10 + seed), m_gamma=6, m_beta=5))
+    model = _model(beta, gamma)
+    set_residual_state(model, *_random_state(generator(10 + seed), m_gamma=6, m_beta=5))
     model.eval()
     with torch.no_grad():
         output = model(D)
@@ -243,37 +163,8 @@ def test_k2_kl_is_the_kl_of_the_predicted_process(seed: int) -> None:
     expected = process_kl(output.mean, output.covariance_matrix, prior_mean, kernel_matrix(D, D))
     torch.testing.assert_close(kl, expected, rtol=1e-8, atol=0)
     # Without the 1/2 on the log-determinant (the printed [CB] eq. 14) the KL would be far off.
-    _, _, S = _state(model)
+    _, _, S = residual_state(model)
     assert (0.5 * (torch.logdet(S) - torch.logdet(jittered_kernel_matrix(beta)))).abs() > 1e-2 * expected.abs()
-
-
-# ---------------------------------------------------------------------------------------------- reduction to SVGP
-@pytest.mark.parametrize("mean_basis", ["empty", "zero_coefficients"])
-def test_r2_without_mean_coefficients_is_gpytorch_svgp(mean_basis: str) -> None:
-    beta, gamma, X, y = regression_problem(6)
-    if mean_basis == "empty":
-        gamma = gamma[:0]
-    model = MeanBasisModel(beta, gamma)
-    _, m_beta, S = _random_state(generator(40))
-    _set_q(model, torch.zeros(gamma.size(0), dtype=F64), m_beta, S)
-    svgp = SVGPModel(beta)
-    svgp.variational_strategy._variational_distribution.load_state_dict(
-        model.variational_strategy._variational_distribution.state_dict()
-    )
-    likelihood = gaussian_likelihood()
-    torch.testing.assert_close(
-        full_batch_elbo(model, likelihood, X, y), full_batch_elbo(svgp, likelihood, X, y), rtol=1e-13, atol=0
-    )
-    for m in (model, svgp):
-        m.eval()
-    X_test = X[:20]
-    with torch.no_grad():
-        ours, theirs = model(X_test), svgp(X_test)
-        kl, svgp_kl_value = model.variational_strategy.kl_divergence(), svgp.variational_strategy.kl_divergence()
-    torch.testing.assert_close(ours.mean, theirs.mean, rtol=1e-13, atol=1e-13)
-    torch.testing.assert_close(ours.covariance_matrix, theirs.covariance_matrix, rtol=1e-13, atol=1e-13)
-    torch.testing.assert_close(kl, svgp_kl_value, rtol=1e-13, atol=0)
-    torch.testing.assert_close(kl, svgp_kl(jittered_kernel_matrix(beta), m_beta, S), rtol=1e-10, atol=0)
 
 
 # -------------------------------------------------------------------------------------------------- structural
@@ -283,14 +174,14 @@ def test_r2_without_mean_coefficients_is_gpytorch_svgp(mean_basis: str) -> None:
 )
 def test_s2_convert_mean_basis_maps_hybrid_to_odvgp_and_back(target_distribution) -> None:
     beta, gamma, X, y = regression_problem(7)
-    hybrid = MeanBasisModel(beta, gamma)
-    _set_q(hybrid, *_random_state(generator(50)))
-    a_gamma, m_hyb, S = _state(hybrid)
-    odvgp = MeanBasisModel(beta, gamma, strategy_cls=ODVGPStrategy, distribution_cls=target_distribution)
+    hybrid = _model(beta, gamma)
+    set_residual_state(hybrid, *_random_state(generator(50)))
+    a_gamma, m_hyb, S = residual_state(hybrid)
+    odvgp = _model(beta, gamma, "orthogonal", distribution_cls=target_distribution)
     convert_mean_basis(hybrid.variational_strategy, odvgp.variational_strategy)
 
     # Parameters: the oracle's map (spec §4.7), with the same a_gamma and S.
-    a_odvgp, m_odvgp, S_odvgp = _state(odvgp)
+    a_odvgp, m_odvgp, S_odvgp = residual_state(odvgp)
     expected_a, expected_m = hybrid_to_odvgp(kernel_matrix(beta, gamma), a_gamma, m_hyb)
     torch.testing.assert_close(a_odvgp, expected_a, rtol=0, atol=0)
     torch.testing.assert_close(m_odvgp, expected_m, rtol=1e-10, atol=1e-11)
@@ -318,9 +209,9 @@ def test_s2_convert_mean_basis_maps_hybrid_to_odvgp_and_back(target_distribution
     torch.testing.assert_close(theirs.covariance_matrix[20:26, 20:26], S + JITTER * eye, rtol=0, atol=3e-9)
 
     # Back again, onto a fresh hybrid: the original parameters (the oracle's inverse map).
-    back = MeanBasisModel(beta, gamma)
+    back = _model(beta, gamma)
     convert_mean_basis(odvgp.variational_strategy, back.variational_strategy)
-    a_back, m_back, S_back = _state(back)
+    a_back, m_back, S_back = residual_state(back)
     torch.testing.assert_close(a_back, a_gamma, rtol=0, atol=0)
     torch.testing.assert_close(
         m_back, odvgp_to_hybrid(kernel_matrix(beta, gamma), a_odvgp, m_odvgp)[1], rtol=1e-10, atol=1e-11
@@ -339,10 +230,10 @@ def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) 
     # m_beta^T K^-1 K_bg a_g (4.2). It is the ODVGP conditional optimum mapped by spec §4.7.
     beta, gamma, X, y = regression_problem(9)
     gamma = gamma[:num_mean_points]
-    model = MeanBasisModel(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
+    model = _model(beta, gamma, distribution_cls=gpytorch.variational.NaturalVariationalDistribution)
     likelihood = gaussian_likelihood()
     a_gamma, m_beta, S = _random_state(generator(80), m_gamma=num_mean_points)
-    _set_q(model, a_gamma, m_beta, S)
+    set_residual_state(model, a_gamma, m_beta, S)
     for p in [*model.parameters(), *likelihood.parameters()]:
         p.requires_grad_(False)
     for p in model.variational_parameters():
@@ -352,7 +243,7 @@ def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) 
     (-full_batch_elbo(model, likelihood, X, y) / 60).backward()
     ngd.step()
 
-    a_after, m_after, S_after = _state(model)
+    a_after, m_after, S_after = residual_state(model)
     torch.testing.assert_close(a_after, a_gamma, rtol=0, atol=0)
     b = odvgp_blocks(gamma, beta, X, JITTER)
     targets = y - CONSTANT_MEAN - b["K_gX"].mT @ a_gamma
@@ -371,7 +262,7 @@ def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int) 
     ngd.zero_grad()
     (-full_batch_elbo(model, likelihood, X, y) / 60).backward()
     ngd.step()
-    torch.testing.assert_close(_state(model)[1], m_after, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(residual_state(model)[1], m_after, rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------- bound and optimum
@@ -382,9 +273,9 @@ def test_b5_hybrid_odvgp_and_decoupled_share_the_optimum() -> None:
     y_centred = y - CONSTANT_MEAN
     elbo_star = odvgp_optimal_elbo(**b, k_XX_diag=prior_variances(60, JITTER), y=y_centred, noise=NOISE)
 
-    hybrid = MeanBasisModel(beta, gamma)
+    hybrid = _model(beta, gamma)
     a_star, m_star, S_star = hybrid_optimum(**b, y=y_centred, noise=NOISE)
-    _set_q(hybrid, a_star, m_star, S_star)
+    set_residual_state(hybrid, a_star, m_star, S_star)
     hybrid_elbo_value = full_batch_elbo(hybrid, likelihood, X, y)
     torch.testing.assert_close(hybrid_elbo_value.detach(), elbo_star, rtol=1e-10, atol=0)
     # Stationary in every block (the lower triangle of the Cholesky parameter is what the strategy uses).
@@ -396,18 +287,18 @@ def test_b5_hybrid_odvgp_and_decoupled_share_the_optimum() -> None:
         assert grad.abs().max() < 1e-6, name
 
     # ODVGP at its own optimum (5.10)-(5.12): the hybrid optimum mapped by spec §4.7, the same process.
-    odvgp = MeanBasisModel(beta, gamma, strategy_cls=ODVGPStrategy)
+    odvgp = _model(beta, gamma, "orthogonal")
     a_odvgp, m_odvgp, S_odvgp = odvgp_optimum(**b, y=y_centred, noise=NOISE)
     torch.testing.assert_close(a_odvgp, a_star, rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(m_odvgp, hybrid_to_odvgp(b["K_gb"].mT, a_star, m_star)[1], rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(S_odvgp, S_star, rtol=1e-9, atol=1e-11)
-    _set_q(odvgp, a_odvgp, m_odvgp, S_odvgp)
+    set_residual_state(odvgp, a_odvgp, m_odvgp, S_odvgp)
     with torch.no_grad():
         torch.testing.assert_close(full_batch_elbo(odvgp, likelihood, X, y), elbo_star, rtol=1e-10, atol=0)
 
     # Decoupled with alpha = [gamma; beta] at (3.3); it adds no jitter, so its blocks are the plain ones.
     alpha = torch.cat([gamma, beta])
-    decoupled = DecoupledModel(beta, alpha)
+    decoupled = _decoupled_model(beta, alpha)
     a_dec, _, L_dec = decoupled_optimum(
         kernel_matrix(alpha, alpha),
         kernel_matrix(beta, beta),

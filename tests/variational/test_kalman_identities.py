@@ -1,6 +1,6 @@
 """Spec B.5 identities S1-S6, S10 and S11 for KalmanVariationalStrategy, in float64 against the dense oracle of
-``tests/oracles/recursive_sparse_gp.py`` (itself tested in ``tests/test_oracles_recursive.py``) and against GPyTorch's
-SGPR. The problem is the spec's: n = 60, M = 10, mini-batches of 12 or 7, jitter 1e-8 on K_uu on both sides.
+``tests/oracles/recursive_sparse_gp.py`` (itself tested in ``tests/oracles/test_oracles_recursive.py``) and against
+GPyTorch's SGPR. The problem is the spec's: n = 60, M = 10, mini-batches of 12 or 7, jitter 1e-8 on K_uu on both sides.
 
 Observed errors (this machine): bounds and bound terms <= 1.4e-12 absolute (|bound| ~ 10-30, also when streaming one
 point at a time), posterior and predictive <= 1.3e-13, GPyTorch's SGPR (S10) 4e-13 on the bound and 1.3e-13 on the

@@ -13,7 +13,6 @@ GPyTorch's ``VariationalELBO`` returns ELBO / N, so it is multiplied by N before
 
 from __future__ import annotations
 
-import itertools
 import math
 import unittest.mock
 
@@ -22,14 +21,12 @@ import pytest
 import torch
 
 from gpytorch_decoupled.variational import FastNaturalVariationalDistribution, IndependentMultitaskVariationalStrategy
-from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrategy as ODVGPStrategy
 from tests.float64_problems import (
     F64,
     JITTER,
     NOISE,
     OUTPUTSCALE,
     finite_domain,
-    fix_hyperparameters,
     full_batch_elbo,
     gaussian_likelihood,
     generator,
@@ -58,75 +55,28 @@ from tests.oracles import (
     svgp_predictive,
     titsias_optimal_qu,
 )
+from tests.variational.mean_basis_cases import MeanBasisGP, residual_state, set_whitened_q, whiten
 
 # --------------------------------------------------------------------------------------------------------- helpers
 
 
-class ODVGPModel(gpytorch.models.ApproximateGP):
-    """A float64 ODVGP with an SE kernel fixed at (LENGTHSCALE, OUTPUTSCALE); ``batch_shape`` gives several latents."""
-
-    def __init__(
-        self,
-        beta: torch.Tensor,
-        gamma: torch.Tensor,
-        distribution_cls=gpytorch.variational.CholeskyVariationalDistribution,
-        num_kl_columns: int | None = None,
-        constant_mean: float | None = None,
-        batch_shape: torch.Size = torch.Size([]),
-    ):
-        q_beta = distribution_cls(beta.size(-2), batch_shape=batch_shape)
-        strategy = ODVGPStrategy(self, beta, q_beta, gamma, num_kl_columns=num_kl_columns, jitter_val=JITTER)
-        super().__init__(strategy)
-        if constant_mean is None:
-            self.mean_module = gpytorch.means.ZeroMean(batch_shape=batch_shape)
-        else:
-            self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch_shape)
-        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(batch_shape=batch_shape))
-        fix_hyperparameters(self, constant_mean)
-        # Fix q(u) now: the first call would otherwise overwrite what a test sets with the prior.
-        strategy.variational_params_initialized.fill_(1)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+def _odvgp_model(beta: torch.Tensor, gamma: torch.Tensor, **kwargs) -> MeanBasisGP:
+    """A float64 ODVGP with the SE kernel fixed at (LENGTHSCALE, OUTPUTSCALE); ``batch_shape`` gives several latents."""
+    return MeanBasisGP("orthogonal", beta, gamma, **kwargs)
 
 
-def _set_cholesky_q(model: ODVGPModel, m_w: torch.Tensor, S_w: torch.Tensor) -> None:
-    q = model.variational_strategy._variational_distribution
-    with torch.no_grad():
-        q.variational_mean.copy_(m_w)
-        q.chol_variational_covar.copy_(torch.linalg.cholesky(S_w))
-
-
-def _set_natural_q(model: ODVGPModel, m_w: torch.Tensor, S_w: torch.Tensor) -> None:
-    q = model.variational_strategy._variational_distribution
-    precision = torch.linalg.inv(S_w)
-    with torch.no_grad():
-        q.natural_vec.copy_(precision @ m_w)
-        q.natural_mat.copy_(-0.5 * precision)
-
-
-def _set_random_state(model: ODVGPModel, gen: torch.Generator, scale: float = 1.0) -> None:
+def _set_random_state(model: MeanBasisGP, gen: torch.Generator, scale: float = 1.0) -> None:
     """Random a_gamma, m_w and SPD S_w on a Cholesky q(u)."""
     strategy = model.variational_strategy
     m_beta = strategy.inducing_points.size(-2)
     with torch.no_grad():
         strategy.mean_coefficients.copy_(scale * randn(strategy.mean_inducing_points.size(-2), gen=gen))
-    _set_cholesky_q(model, randn(m_beta, gen=gen), random_spd(m_beta, gen))
+    set_whitened_q(model, randn(m_beta, gen=gen), random_spd(m_beta, gen))
 
 
-def _unwhitened_block(model: ODVGPModel) -> tuple[torch.Tensor, torch.Tensor]:
+def _unwhitened_block(model: MeanBasisGP) -> tuple[torch.Tensor, torch.Tensor]:
     """``(m_beta, S)`` of the strategy's current q(u_beta), unwhitened with the oracle's jittered Cholesky."""
-    strategy = model.variational_strategy
-    L = torch.linalg.cholesky(jittered_kernel_matrix(strategy.inducing_points.detach()))
-    q = strategy._variational_distribution()  # not the strategy's property: GPyTorch memoizes it until the next call
-    return L @ q.mean.detach(), L @ q.covariance_matrix.detach() @ L.mT
-
-
-def _whiten(beta: torch.Tensor, m_beta: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    L = torch.linalg.cholesky(jittered_kernel_matrix(beta))
-    m_w = torch.linalg.solve_triangular(L, m_beta.unsqueeze(-1), upper=False).squeeze(-1)
-    S_w = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L, S, upper=False).mT, upper=False)
-    return m_w, 0.5 * (S_w + S_w.mT)
+    return residual_state(model)[1:]
 
 
 def _optimal_elbo(beta, gamma, X, y) -> torch.Tensor:
@@ -241,7 +191,7 @@ def test_oracle_conditional_optimum_is_titsias_on_the_residual_targets() -> None
 def test_k1_kl_is_the_kl_of_the_predicted_process(seed: int) -> None:
     D = finite_domain(seed)
     beta, gamma = D[:5], D[5:11]  # the other 19 points stand for data and test inputs
-    model = ODVGPModel(beta, gamma, constant_mean=0.7)
+    model = _odvgp_model(beta, gamma, constant_mean=0.7)
     _set_random_state(model, generator(10 + seed))
     strategy = model.variational_strategy
     model.eval()
@@ -281,110 +231,10 @@ def test_k1_kl_is_the_kl_of_the_predicted_process(seed: int) -> None:
         torch.testing.assert_close(strategy.kl_divergence(), kl, rtol=1e-13, atol=0)
 
 
-def test_k5_column_sampled_kl_is_unbiased() -> None:
-    D = finite_domain(2)
-    beta, gamma, b = D[:5], D[5:11], 2
-    model = ODVGPModel(beta, gamma, num_kl_columns=b)
-    _set_random_state(model, generator(20))
-    strategy = model.variational_strategy
-    model.eval()
-    with torch.no_grad():
-        exact = strategy.mean_quadratic_form()
-        exact_kl = strategy.kl_divergence()
-        model.train()
-        estimates = torch.stack(
-            [strategy.mean_quadratic_form(indices=torch.tensor(C)) for C in itertools.combinations(range(6), b)]
-        )
-    schur = kernel_matrix(gamma, gamma) - kernel_matrix(gamma, beta) @ torch.linalg.solve(
-        jittered_kernel_matrix(beta), kernel_matrix(beta, gamma)
-    )
-    a_gamma = strategy.mean_coefficients.detach()
-    torch.testing.assert_close(exact, a_gamma @ schur @ a_gamma, rtol=1e-12, atol=0)
-    # Exhaustive average over all 15 samples of size 2 is the exact value.
-    assert estimates.unique().numel() > 1
-    torch.testing.assert_close(estimates.mean(), exact, rtol=1e-12, atol=1e-12)
-
-    # Random draws in train mode (num_kl_columns = b): the Monte-Carlo mean is within 4 standard errors, and every
-    # draw is one of the 15 possible estimates (b distinct columns, scaled by M_gamma / b).
-    num_draws = 3000
-    with torch.no_grad(), torch.random.fork_rng():
-        torch.manual_seed(0)
-        draws = torch.stack([strategy.kl_divergence() for _ in range(num_draws)])
-    sampled_quadratic = 2.0 * (draws - exact_kl) + exact
-    distance = (sampled_quadratic.unsqueeze(-1) - estimates).abs().min(-1).values
-    assert distance.max() < 1e-10 * exact.abs()
-    standard_error = (estimates.var(unbiased=False) / num_draws).sqrt()
-    assert (draws.mean() - exact_kl).abs() < 4.0 * standard_error / 2.0
-
-
-def test_k5_column_sampled_gradient_is_unbiased() -> None:
-    D = finite_domain(3)
-    beta, gamma = D[:5], D[5:11]
-    model = ODVGPModel(beta, gamma, num_kl_columns=2)
-    _set_random_state(model, generator(30))
-    strategy = model.variational_strategy
-    model.train()
-    params = [strategy.mean_coefficients, model.covar_module.raw_outputscale, strategy.mean_inducing_points]
-
-    def gradient(indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # The residual coordinates are cached within a training step, so their graph is shared between the calls.
-        return torch.autograd.grad(strategy.mean_quadratic_form(indices=indices), params, retain_graph=True)
-
-    exact = gradient(torch.arange(6))
-    grads = [gradient(torch.tensor(C)) for C in itertools.combinations(range(6), 2)]
-    for i, expected in enumerate(exact):
-        torch.testing.assert_close(torch.stack([g[i] for g in grads]).mean(0), expected, rtol=1e-11, atol=1e-12)
-
-
-# ---------------------------------------------------------------------------------------------- reduction to SVGP
-class SVGPModel(gpytorch.models.ApproximateGP):
-    """GPyTorch's whitened SVGP with the same kernel, mean and jitter as :class:`ODVGPModel`."""
-
-    def __init__(self, beta: torch.Tensor):
-        q_u = gpytorch.variational.CholeskyVariationalDistribution(beta.size(-2))
-        super().__init__(gpytorch.variational.VariationalStrategy(self, beta, q_u, jitter_val=JITTER))
-        self.mean_module = gpytorch.means.ConstantMean()
-        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-        fix_hyperparameters(self, 0.7)
-        self.variational_strategy.variational_params_initialized.fill_(1)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-
-@pytest.mark.parametrize("mean_basis", ["empty", "zero_coefficients"])
-def test_r1_without_mean_basis_is_gpytorch_svgp(mean_basis: str) -> None:
-    beta, gamma, X, y = regression_problem(6)
-    if mean_basis == "empty":
-        gamma = gamma[:0]
-    model = ODVGPModel(beta, gamma, constant_mean=0.7)
-    _set_random_state(model, generator(40))
-    with torch.no_grad():
-        model.variational_strategy.mean_coefficients.zero_()
-    svgp = SVGPModel(beta)
-    svgp.variational_strategy._variational_distribution.load_state_dict(
-        model.variational_strategy._variational_distribution.state_dict()
-    )
-    likelihood = gaussian_likelihood()
-    # Train mode: the same ELBO (marginals and KL).
-    torch.testing.assert_close(
-        full_batch_elbo(model, likelihood, X, y), full_batch_elbo(svgp, likelihood, X, y), rtol=1e-13, atol=0
-    )
-    for m in (model, svgp):
-        m.eval()
-    X_test = X[:20]
-    with torch.no_grad():
-        ours, theirs = model(X_test), svgp(X_test)
-        kl, svgp_kl_value = model.variational_strategy.kl_divergence(), svgp.variational_strategy.kl_divergence()
-    torch.testing.assert_close(ours.mean, theirs.mean, rtol=1e-13, atol=1e-13)
-    torch.testing.assert_close(ours.covariance_matrix, theirs.covariance_matrix, rtol=1e-13, atol=1e-13)
-    torch.testing.assert_close(kl, svgp_kl_value, rtol=1e-13, atol=0)
-
-
 # -------------------------------------------------------------------------------------------------- structural
 def test_s1_marginal_at_the_covariance_basis_ignores_the_mean_coefficients() -> None:
     beta, gamma, _, _ = regression_problem(7)
-    model = ODVGPModel(beta, gamma, constant_mean=0.7)
+    model = _odvgp_model(beta, gamma, constant_mean=0.7)
     _set_random_state(model, generator(50), scale=3.0)
     m_beta, S = _unwhitened_block(model)
     model.eval()
@@ -408,7 +258,7 @@ def test_s1_marginal_at_the_covariance_basis_ignores_the_mean_coefficients() -> 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_b1_elbo_is_below_the_exact_log_marginal_likelihood(seed: int) -> None:
     beta, gamma, X, y = regression_problem(10 + seed)
-    model, likelihood = ODVGPModel(beta, gamma), gaussian_likelihood()
+    model, likelihood = _odvgp_model(beta, gamma), gaussian_likelihood()
     gen = generator(60 + seed)
     _set_random_state(model, gen)
     with torch.no_grad():
@@ -425,16 +275,16 @@ def test_b1_elbo_is_below_the_exact_log_marginal_likelihood(seed: int) -> None:
     assert elbo <= _optimal_elbo(beta, gamma, X, y) <= exact_log_marginal_likelihood(kernel_matrix(X, X), y, NOISE)
 
 
-def _set_optimum(model: ODVGPModel, beta, gamma, X, y) -> None:
+def _set_optimum(model: MeanBasisGP, beta, gamma, X, y) -> None:
     a_star, m_star, S_star = odvgp_optimum(**odvgp_blocks(gamma, beta, X, JITTER), y=y, noise=NOISE)
     with torch.no_grad():
         model.variational_strategy.mean_coefficients.copy_(a_star)
-    _set_cholesky_q(model, *_whiten(beta, m_star, S_star))
+    set_whitened_q(model, *whiten(beta, m_star, S_star))
 
 
 def test_b3_b4_closed_form_optimum_is_attained_and_stationary() -> None:
     beta, gamma, X, y = regression_problem(8)
-    model, likelihood = ODVGPModel(beta, gamma), gaussian_likelihood()
+    model, likelihood = _odvgp_model(beta, gamma), gaussian_likelihood()
     _set_optimum(model, beta, gamma, X, y)
     elbo_star = _optimal_elbo(beta, gamma, X, y)
     strategy = model.variational_strategy
@@ -481,7 +331,7 @@ NATURAL_DISTRIBUTIONS = [gpytorch.variational.NaturalVariationalDistribution, Fa
 
 def _natural_model_with_fixed_hyperparameters(beta: torch.Tensor, gamma: torch.Tensor, distribution_cls):
     """A natural-gradient beta block and a_gamma = 0 as the only free parameters (the OrthNat test problems)."""
-    model = ODVGPModel(beta, gamma, distribution_cls=distribution_cls)
+    model = _odvgp_model(beta, gamma, distribution_cls=distribution_cls)
     likelihood = gaussian_likelihood()
     strategy = model.variational_strategy
     with torch.no_grad():
@@ -495,13 +345,13 @@ def _natural_model_with_fixed_hyperparameters(beta: torch.Tensor, gamma: torch.T
 def test_n1_one_ngd_step_lands_on_the_conditional_optimum(num_mean_points: int, distribution_cls) -> None:
     beta, gamma, X, y = regression_problem(9)
     gamma = gamma[:num_mean_points]
-    model = ODVGPModel(beta, gamma, distribution_cls=distribution_cls)
+    model = _odvgp_model(beta, gamma, distribution_cls=distribution_cls)
     likelihood = gaussian_likelihood()
     gen = generator(80)
     strategy = model.variational_strategy
     with torch.no_grad():
         strategy.mean_coefficients.copy_(randn(num_mean_points, gen=gen))
-    _set_natural_q(model, randn(6, gen=gen), random_spd(6, gen))
+    set_whitened_q(model, randn(6, gen=gen), random_spd(6, gen))
     _freeze_all_but(model, likelihood, *model.variational_parameters())
     ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=60, lr=1.0)
 
@@ -574,7 +424,7 @@ def test_bernoulli_classification_trains(objective) -> None:
     X = 4.0 * torch.rand(80, 2, generator=gen, dtype=F64) - 2.0
     labels = (torch.sin(1.5 * X[:, 0]) + X[:, 1] > 0).to(F64)
     beta = torch.cartesian_prod(*(2 * [torch.linspace(-1.6, 1.6, 3, dtype=F64)]))
-    model = ODVGPModel(beta, X[::4].clone(), num_kl_columns=8)  # 20 mean points, 8 KL rows sampled per step
+    model = _odvgp_model(beta, X[::4].clone(), num_kl_columns=8)  # 20 mean points, 8 KL rows sampled per step
     with torch.no_grad():
         model.variational_strategy.mean_coefficients.zero_()
     likelihood = gpytorch.likelihoods.BernoulliLikelihood().double()
@@ -595,7 +445,7 @@ def test_softmax_classification_with_three_latents_trains() -> None:
     labels = torch.arange(3).repeat_interleave(30)
     X = centres[labels] + 0.6 * randn(90, 2, gen=gen)
     beta = torch.cartesian_prod(*(2 * [torch.linspace(-2.0, 2.0, 3, dtype=F64)]))
-    model = ODVGPModel(beta, X[::5].clone(), num_kl_columns=6, batch_shape=torch.Size([3]))
+    model = _odvgp_model(beta, X[::5].clone(), num_kl_columns=6, batch_shape=torch.Size([3]))
     base = model.variational_strategy
     with torch.no_grad():
         base.mean_coefficients.zero_()
@@ -615,51 +465,6 @@ def test_softmax_classification_with_three_latents_trains() -> None:
     assert accuracy > 0.9, accuracy
 
 
-# ------------------------------------------------------------------------------------------------------ bad input
-def test_bad_inputs_raise_and_leave_the_model_unchanged() -> None:
-    beta, gamma, X, y = regression_problem(12)
-    model, likelihood = ODVGPModel(beta, gamma), gaussian_likelihood()
-    _set_random_state(model, generator(100))
-    state = {name: value.clone() for name, value in model.state_dict().items()}
-    model.eval()
-    with torch.no_grad():
-        reference = model(X[:5])
-    with_nan = X.clone()
-    with_nan[3, 1] = float("nan")
-    bad_inputs = [(X[:, :1], "dimensions"), (with_nan, "NaN"), (X.float(), "float32")]
-    mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=60)
-    for training in (True, False):
-        model.train(training)
-        for x, message in bad_inputs:
-            with pytest.raises(ValueError, match=message):
-                model(x)
-            if training:
-                with pytest.raises(ValueError, match=message):
-                    mll(model(x), y)
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, state[name]), name
-    model.eval()
-    with torch.no_grad():
-        after = model(X[:5])
-    torch.testing.assert_close(after.mean, reference.mean, rtol=0, atol=0)
-    torch.testing.assert_close(after.covariance_matrix, reference.covariance_matrix, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize(
-    "mean_inducing_points, message",
-    [
-        (torch.zeros(5, 3, dtype=F64), "mean_inducing_points must have shape"),
-        (torch.zeros(2, 5, 2, dtype=F64), "mean_inducing_points must have shape"),
-        (torch.full((5, 2), float("nan"), dtype=F64), "NaN"),
-    ],
-)
-def test_bad_mean_inducing_points_are_refused(mean_inducing_points: torch.Tensor, message: str) -> None:
-    beta = torch.zeros(4, 2, dtype=F64)
-    q_beta = gpytorch.variational.CholeskyVariationalDistribution(4)
-    with pytest.raises(ValueError, match=message):
-        ODVGPStrategy(gpytorch.models.ApproximateGP(None), beta, q_beta, mean_inducing_points)
-
-
 # ------------------------------------------------------------------------------------- one prior per training step
 @pytest.mark.parametrize("num_kl_columns", [None, 4])
 def test_training_forward_from_one_prior_equals_the_generic_path(num_kl_columns: int | None) -> None:
@@ -668,7 +473,7 @@ def test_training_forward_from_one_prior_equals_the_generic_path(num_kl_columns:
     beta, gamma, X, y = regression_problem(21)
     outputs = []
     for generic in (False, True):
-        model = ODVGPModel(beta, gamma, num_kl_columns=num_kl_columns, constant_mean=0.3)
+        model = _odvgp_model(beta, gamma, num_kl_columns=num_kl_columns, constant_mean=0.3)
         _set_random_state(model, generator(22))
         likelihood = gaussian_likelihood()
         strategy = model.variational_strategy
