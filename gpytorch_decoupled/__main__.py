@@ -1,10 +1,14 @@
-"""Command line: ``python -m gpytorch_decoupled {demo,bench,datasets} --help``."""
+"""Command line: ``python -m gpytorch_decoupled {demo,datasets} --help`` (also installed as ``gpytorch-decoupled``).
+
+The benchmarks live in the source repository, outside the package: ``python -m benchmarks <name>`` from its root.
+"""
 
 from __future__ import annotations
 
 import argparse
 
 from . import datasets
+from .demo import add_demo_arguments, run_demo
 
 
 def _list_datasets(args: argparse.Namespace) -> None:
@@ -24,21 +28,15 @@ def _list_datasets(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench.cli import add_bench_subcommands
-    from .bench.demo import add_demo_arguments, run_demo
-
     parser = argparse.ArgumentParser(
         prog="python -m gpytorch_decoupled",
-        description="Scalable sparse variational GPs for GPyTorch: demo, benchmarks and data sets.",
+        description="Scalable sparse variational GPs for GPyTorch: a demo on embedded data, and the data sets.",
     )
     commands = parser.add_subparsers(dest="command", metavar="<command>", required=True)
 
     demo = commands.add_parser("demo", help="train every method against GPyTorch's SVGP on embedded real data")
     add_demo_arguments(demo)
     demo.set_defaults(run=run_demo)
-
-    bench = commands.add_parser("bench", help="run a named benchmark (bench --help lists them)")
-    add_bench_subcommands(bench)
 
     listing = commands.add_parser("datasets", help="list the data sets the loaders know and whether they are present")
     listing.add_argument("--data-dir", default=None)

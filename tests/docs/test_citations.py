@@ -1,6 +1,7 @@
 """User-facing text cites the papers (author, year, section, equation) or a named section of ``docs/derivations.md``,
 never the project's internal specification, which users do not have: no "spec §4.7", "spec eq. 49", "spec A.3",
-"spec B.1 table", "spec identity T9", "spec part C" or "the spec's ..." in the package, the notebooks or the docs."""
+"spec B.1 table", "spec identity T9", "spec part C" or "the spec's ..." in the package, the benchmark
+harness, the notebooks or the docs."""
 
 import re
 from pathlib import Path
@@ -18,12 +19,16 @@ DOCS = [
     if path.suffix in {".md", ".rst", ".py"}
     and not {"_build", "notebooks"} & set(path.relative_to(ROOT / "docs").parts)
 ]  # docs/_build/ and docs/notebooks/ are build outputs (rendered pages, copies of the notebooks)
-# Not yet scanned, until the work that rewrites their citations lands (issue 15): the benchmark harness, which moves
-# out of the package to benchmarks/ (item 3), and the notebooks (item 6).
-PENDING = {ROOT / "gpytorch_decoupled" / "bench", ROOT / "notebooks"}
+# Not yet scanned, until the work that rewrites their citations lands (issue 15, item 6): the notebooks.
+PENDING = {ROOT / "notebooks"}
 USER_FACING = sorted(
     path
-    for path in [*(ROOT / "gpytorch_decoupled").rglob("*.py"), *(ROOT / "notebooks").glob("*.ipynb"), *DOCS]
+    for path in [
+        *(ROOT / "gpytorch_decoupled").rglob("*.py"),
+        *(ROOT / "benchmarks").rglob("*.py"),
+        *(ROOT / "notebooks").glob("*.ipynb"),
+        *DOCS,
+    ]
     + [ROOT / "README.md"]
     if not PENDING & set(path.parents)
 )

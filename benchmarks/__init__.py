@@ -1,0 +1,49 @@
+"""Benchmark harness: ``python -m benchmarks <name>``.
+
+Every comparison trains our methods and GPyTorch's baselines in one process, on the same data, seed and mini-batch
+order, and reports ratios to the baseline of the same run (absolute times are not comparable between machines). Each
+benchmark prints a table and writes ``benchmarks/results/<name>.json`` (and a PNG where a curve says more).
+It lives beside its results, outside the package: the library never imports it, and the wheel does not ship it.
+"""
+
+from .baselines_benchmark import BASELINES
+from .benchmark import Benchmark
+from .decoupled_accuracy_benchmark import DECOUPLED_ACCURACY
+from .decoupled_speed_benchmark import DECOUPLED_SPEED
+from .distributed_benchmark import DISTRIBUTED
+from .dual_benchmark import DUAL
+from .kernel_selection_benchmark import KERNEL_SELECTION
+from .method_result import MethodResult
+from .methods import METHODS, Method, build_method
+from .orthogonal_accuracy_benchmark import ORTHOGONAL_ACCURACY
+from .orthogonal_speed_benchmark import ORTHOGONAL_SPEED
+from .recursive_benchmark import RECURSIVE
+from .run_config import RunConfig
+from .runner import compare, train_and_evaluate
+
+BENCHMARKS: dict[str, Benchmark] = {
+    benchmark.name: benchmark
+    for benchmark in (
+        BASELINES,
+        ORTHOGONAL_SPEED,
+        ORTHOGONAL_ACCURACY,
+        DECOUPLED_SPEED,
+        DECOUPLED_ACCURACY,
+        DUAL,
+        RECURSIVE,
+        KERNEL_SELECTION,
+        DISTRIBUTED,
+    )
+}
+
+__all__ = [
+    "BENCHMARKS",
+    "Benchmark",
+    "METHODS",
+    "Method",
+    "MethodResult",
+    "RunConfig",
+    "build_method",
+    "compare",
+    "train_and_evaluate",
+]

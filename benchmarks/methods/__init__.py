@@ -1,0 +1,73 @@
+"""Trainable methods for the benchmarks: GPyTorch's baselines and this package's strategies.
+
+:data:`METHODS` maps a short name to a factory ``(train_x, train_y, **options) -> Method``; each method family of the
+package adds its entry here when it lands.
+"""
+
+from collections.abc import Callable
+from functools import partial
+
+from torch import Tensor
+
+from gpytorch_decoupled.variational import HybridVariationalStrategy
+
+from .approximate_gp_method import ApproximateGPMethod
+from .approximate_regression_model import ApproximateRegressionModel
+from .decoupled_method import DecoupledMethod
+from .dual_method import DualMethod
+from .em_method import EMMethod
+from .exact_gp_method import ExactGPMethod
+from .exact_regression_model import ExactRegressionModel
+from .gpytorch_orthogonal_method import GPyTorchOrthogonalMethod
+from .inducing_points import initial_inducing_points
+from .method import Method, MethodNotApplicable
+from .orthogonal_method import OrthogonalMethod
+from .qsvgp_method import QSVGPMethod
+from .recursive_method import RecursiveMethod
+from .svgp_method import SVGPMethod
+
+MethodFactory = Callable[..., Method]
+
+METHODS: dict[str, MethodFactory] = {
+    "svgp": SVGPMethod,
+    "svgp-ngd": partial(SVGPMethod, natural=True),
+    "gpytorch-odvgp": GPyTorchOrthogonalMethod,
+    "sgpr": partial(ExactGPMethod, num_inducing=200),
+    "exact": partial(ExactGPMethod, num_inducing=None),
+    "orthnat": partial(OrthogonalMethod, natural=True),
+    "orth": partial(OrthogonalMethod, natural=False),
+    "decoupled": DecoupledMethod,
+    "hybrid": partial(OrthogonalMethod, natural=False, strategy_cls=HybridVariationalStrategy),
+    "dual": DualMethod,
+    "q-svgp": QSVGPMethod,
+    "recursive": RecursiveMethod,
+}
+
+
+def build_method(name: str, train_x: Tensor, train_y: Tensor, **options) -> Method:
+    """Build the method registered as ``name`` on the training data, with method-specific ``options``."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    return METHODS[name](train_x, train_y, **options)
+
+
+__all__ = [
+    "ApproximateGPMethod",
+    "ApproximateRegressionModel",
+    "DecoupledMethod",
+    "DualMethod",
+    "EMMethod",
+    "ExactGPMethod",
+    "ExactRegressionModel",
+    "GPyTorchOrthogonalMethod",
+    "METHODS",
+    "Method",
+    "MethodFactory",
+    "MethodNotApplicable",
+    "OrthogonalMethod",
+    "QSVGPMethod",
+    "RecursiveMethod",
+    "SVGPMethod",
+    "build_method",
+    "initial_inducing_points",
+]
