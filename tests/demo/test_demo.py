@@ -13,6 +13,8 @@ from gpytorch_decoupled.variational import (
     OrthogonallyDecoupledVariationalStrategy,
 )
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 def test_demo_smoke_run_prints_the_table_writes_the_results_and_every_method_learns(tmp_path, capsys):
     main(["demo", "--smoke", "--no-progress", "--max-train-rows", "2000", "--output-dir", str(tmp_path)])
