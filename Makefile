@@ -8,7 +8,7 @@ PYTEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(subst =,_,$(subst /,_,$(TORCH_SPEC)))
 
-.PHONY: install demo test lint format bench docs clean
+.PHONY: install demo test lint format bench docs notebooks clean
 
 install: $(STAMP)
 
@@ -39,6 +39,10 @@ format: install
 # make bench NAME=baselines ARGS="--dataset kin40k"  (the harness lives in benchmarks/, outside the package)
 bench: install
 	$(BIN)/python -m benchmarks $(NAME) $(ARGS)
+
+# Re-execute notebooks in full and store their outputs (the docs render them): make notebooks NB="00_quickstart 06_kernel_selection"
+notebooks: install
+	$(BIN)/python notebooks/execute.py --threads 1 $(if $(NB),$(foreach nb,$(NB),notebooks/$(nb:.ipynb=).ipynb),)
 
 # HTML in docs/_build/html; warnings are errors, as in CI. The notebooks are rendered from their stored outputs.
 docs: install

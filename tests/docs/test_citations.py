@@ -19,8 +19,6 @@ DOCS = [
     if path.suffix in {".md", ".rst", ".py"}
     and not {"_build", "notebooks"} & set(path.relative_to(ROOT / "docs").parts)
 ]  # docs/_build/ and docs/notebooks/ are build outputs (rendered pages, copies of the notebooks)
-# Not yet scanned, until the work that rewrites their citations lands (issue 15, item 6): the notebooks.
-PENDING = {ROOT / "notebooks"}
 USER_FACING = sorted(
     path
     for path in [
@@ -30,7 +28,6 @@ USER_FACING = sorted(
         *DOCS,
     ]
     + [ROOT / "README.md"]
-    if not PENDING & set(path.parents)
 )
 
 
