@@ -85,16 +85,6 @@ def mean_basis_with_replacement(train_x: torch.Tensor, size: int, jitter: float,
     return train_x[index.to(train_x.device)] + noise.to(train_x.device)
 
 
-def _mean_coefficient_owner(strategy: torch.nn.Module) -> torch.nn.Module:
-    """The module whose ``mean_coefficients`` parameter is the mean basis's: the Decoupled strategy keeps it in its
-    variational distribution (its ``strategy.mean_coefficients`` is a derived tensor), the ODVGP and Hybrid strategies
-    on themselves."""
-    distribution = getattr(strategy, "_variational_distribution", None)
-    if distribution is not None and "mean_coefficients" in dict(distribution.named_parameters(recurse=False)):
-        return distribution
-    return strategy
-
-
 def enlarge_mean_basis(method: Method, points: torch.Tensor, seed: int, init_std: float = 1e-3) -> None:
     """Give a mean-basis method (OrthNat/Orth, Decoupled, Hybrid) new mean-basis points and fresh near-zero
     coefficients before training.
@@ -103,14 +93,15 @@ def enlarge_mean_basis(method: Method, points: torch.Tensor, seed: int, init_std
     (their state is created on the first step, after this call).
     """
     strategy = method.model.variational_strategy
-    owner = _mean_coefficient_owner(strategy)
+    basis = strategy.mean_basis
     generator = torch.Generator().manual_seed(seed)
     coefficients = torch.randn(points.size(0), generator=generator, dtype=points.dtype) * init_std
     with torch.no_grad():
-        strategy.mean_inducing_points.data = points.to(strategy.mean_inducing_points)
-        owner.mean_coefficients.data = coefficients.to(owner.mean_coefficients)
-    if hasattr(owner, "num_mean_points"):
-        owner.num_mean_points = points.size(0)
+        basis.inducing_points.data = points.to(basis.inducing_points)
+        basis.coefficients.data = coefficients.to(basis.coefficients)
+    distribution = strategy._variational_distribution
+    if hasattr(distribution, "num_mean_points"):  # the decoupled distribution records its basis size
+        distribution.num_mean_points = points.size(0)
     strategy._clear_cache()
 
 

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from gpytorch_decoupled import datasets
-from gpytorch_decoupled.optim import StreamingCollapsedBound
+from gpytorch_decoupled.mlls import StreamingCollapsedBound
 from gpytorch_decoupled.variational import KalmanVariationalStrategy
 
 from .benchmark import Benchmark

@@ -84,7 +84,7 @@ class OrthogonalMethod(ApproximateGPMethod):
         others = [p for p in first_order if p is not strategy.mean_coefficients]
         if mean_rule == "diagonal":
             rate = 0.01 if mean_lr is None else mean_lr
-            optimizers.append(OrthogonalMeanNaturalGradient(strategy, num_data=train_y.size(0), lr=rate))
+            optimizers.append(OrthogonalMeanNaturalGradient(model, num_data=train_y.size(0), lr=rate))
             groups = [{"params": others}]
         else:
             groups = [

@@ -4,10 +4,10 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from gpytorch.variational._variational_strategy import _VariationalStrategy
 from torch import Tensor
 
-from ..variational._direct_call_mixin import _DirectCallMixin
+from ..gpytorch_compat import VariationalStrategyBase
+from ..variational import initialize_from_prior
 from ._collectives import Group, communicate, group_rank_and_size
 
 
@@ -39,12 +39,8 @@ def broadcast_state(modules: Iterable[torch.nn.Module], group: Group = None, sou
     source_rank = source if group is None else dist.get_global_rank(group, source)
     for module in modules:
         for strategy in module.modules():
-            # Our strategies' state needs no initialization from the prior (see _DirectCallMixin); GPyTorch's does.
-            initializes = isinstance(strategy, _VariationalStrategy) and not isinstance(strategy, _DirectCallMixin)
-            if initializes and not strategy.variational_params_initialized.item():
-                strategy._variational_distribution.initialize_variational_distribution(strategy.prior_distribution)
-                strategy.variational_params_initialized.fill_(1)
-                strategy._clear_cache()
+            if isinstance(strategy, VariationalStrategyBase):
+                initialize_from_prior(strategy)
     tensors, seen = [], set()
     for module in modules:
         for tensor in (*module.parameters(), *module.buffers()):

@@ -5,15 +5,14 @@ from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ApproximateGP
 from torch import Tensor
 
-from ..optim import StreamingCollapsedBound
-from ..optim.streaming_collapsed_bound import Batches, _Statistics
+from ..mlls import Batches, CollapsedBoundStatistics, StreamingCollapsedBound
 from ._collectives import Group, all_reduce_sum, group_rank_and_size
 from .gradient_all_reduce import GradientAllReduce
 
 
 class DistributedCollapsedBound(StreamingCollapsedBound):
     r"""
-    The exact full-data gradient of the collapsed bound (:class:`~gpytorch_decoupled.optim.StreamingCollapsedBound`)
+    The exact full-data gradient of the collapsed bound (:class:`~gpytorch_decoupled.mlls.StreamingCollapsedBound`)
     with the data sharded across ``torch.distributed`` ranks: each rank streams its own shard, and every rank ends with
     the gradient and the bound of the whole data set.
 
@@ -112,11 +111,11 @@ class DistributedCollapsedBound(StreamingCollapsedBound):
                 parameter.grad = gradient if parameter.grad is None else gradient + parameter.grad
         return self._loss(total.offsets, tail)
 
-    def _summed_first_pass(self, batches: Batches) -> tuple[_Statistics, _Statistics]:
+    def _summed_first_pass(self, batches: Batches) -> tuple[CollapsedBoundStatistics, CollapsedBoundStatistics]:
         """This rank's first pass and its statistics summed over every rank."""
         strategy = self.strategy
-        vector, matrix = strategy._variational_distribution()
-        bound = strategy._variational_distribution.bound
+        vector, matrix = strategy.statistics
+        bound = strategy.recursive_bound
         sizes = [vector.numel(), matrix.numel(), bound.numel(), 1]
         shard = contribution = failure = None
         try:
@@ -129,7 +128,7 @@ class DistributedCollapsedBound(StreamingCollapsedBound):
         what = "the distributed collapsed bound's first pass"
         total = all_reduce_sum(contribution, sum(sizes), vector, what, self.group, failure=failure)
         vector_total, matrix_total, offsets, count = total.split(sizes)
-        total = _Statistics(
+        total = CollapsedBoundStatistics(
             vector_total.view(vector.shape), matrix_total.view(matrix.shape), offsets.view(bound.shape), int(count)
         )
         return shard, total

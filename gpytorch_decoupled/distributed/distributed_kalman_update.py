@@ -5,8 +5,8 @@ from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ApproximateGP
 from torch import Tensor
 
-from ..optim._kalman_model import kalman_strategy
-from ..variational._kalman_terms import bound_term, symmetrized
+from ..linalg import symmetrized
+from ..variational import KalmanIncrements, KalmanVariationalStrategy
 from ._collectives import Group, all_gather_rows, all_reduce_sum, group_rank_and_size
 from .broadcast_state import broadcast_state
 
@@ -75,7 +75,7 @@ class DistributedKalmanUpdate:
         self, model: ApproximateGP, likelihood: GaussianLikelihood, group: Group = None, broadcast: bool = True
     ):
         self.rank, self.world_size = group_rank_and_size(group, type(self).__name__)
-        self.strategy = kalman_strategy(model, likelihood, type(self).__name__)
+        self.strategy = KalmanVariationalStrategy.of_model(model, likelihood, type(self).__name__)
         self.group = group
         if broadcast:
             broadcast_state([model, likelihood], group)
@@ -91,13 +91,13 @@ class DistributedKalmanUpdate:
         :raises DistributedStepError: On every rank, if any rank's batch or terms fail; no state changes.
         """
         strategy = self.strategy
-        vector, matrix = strategy._variational_distribution()
-        bound = strategy._variational_distribution.bound
+        vector, matrix = strategy.statistics
+        bound = strategy.recursive_bound
         what = "the distributed Kalman update"
         contribution = terms = inducing_covariance = failure = None
         try:
-            x, y = strategy._checked_data(x, y)
-            terms, inducing_covariance = strategy._observation_terms(x, y)
+            x, y = strategy.checked_data(x, y)
+            terms, inducing_covariance = strategy.observation_terms(x, y)
             count = torch.tensor([float(x.size(-2))], dtype=vector.dtype, device=vector.device)
             increments = (terms.information_vector, symmetrized(terms.information_matrix))
             contribution = torch.cat([count, *(increment.reshape(-1) for increment in increments)])
@@ -110,10 +110,10 @@ class DistributedKalmanUpdate:
         psi = failure = None
         try:
             before = vectors[: self.rank].sum(0).view(vector.shape), matrices[: self.rank].sum(0).view(matrix.shape)
-            psi = bound_term(inducing_covariance, vector + before[0], matrix + before[1], terms)
+            psi = strategy.bound_term(terms, inducing_covariance, vector + before[0], matrix + before[1])
         except Exception as error:
             failure = error
-        psi = all_reduce_sum(psi, bound.numel(), bound, what, self.group, failure=failure).view(bound.shape)
-        increments = (vectors.sum(0).view(vector.shape), matrices.sum(0).view(matrix.shape), psi)
-        strategy._absorb(increments, int(counts.sum().item()))
+        psi = all_reduce_sum(psi, bound.numel(), vector, what, self.group, failure=failure).view(bound.shape)
+        increments = KalmanIncrements(vectors.sum(0).view(vector.shape), matrices.sum(0).view(matrix.shape), psi)
+        strategy.absorb(increments, int(counts.sum().item()))
         return psi.to(strategy.inducing_points.dtype)

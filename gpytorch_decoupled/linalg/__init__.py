@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Numerical building blocks shared by the method families: float64 Cholesky with jitter, triangular solves,
-fused kernel-vector products and the column-sampled quadratic form."""
+fused kernel-vector products, the column-sampled quadratic form and the KL divergence from a whitened prior."""
 
 from .cholesky import jittered_cholesky, reset_jitter_warnings
 from .kernel_matvec import kernel_matvec
 from .quadratic_form import column_sampled_quadratic_form
-from .triangular import cholesky_logdet, cholesky_solve, solve_lower, solve_lower_transpose
+from .triangular import cholesky_logdet, cholesky_solve, solve_lower, solve_lower_transpose, symmetrized
+from .whitened_kl import whitened_kl
 
 __all__ = [
     "cholesky_logdet",
@@ -16,4 +17,6 @@ __all__ = [
     "reset_jitter_warnings",
     "solve_lower",
     "solve_lower_transpose",
+    "symmetrized",
+    "whitened_kl",
 ]

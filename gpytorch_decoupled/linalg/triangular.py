@@ -108,3 +108,18 @@ def cholesky_logdet(
         tensor(2.0794)
     """
     return 2.0 * L.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+
+
+def symmetrized(
+    A: Tensor,  # shape: (*batch, n, n)
+) -> Tensor:  # shape: (*batch, n, n)
+    r"""
+    The symmetric part :math:`\tfrac12(\mathbf A + \mathbf A^\top)` of a matrix that is symmetric up to rounding (a
+    sum of Gram matrices, say), so that what is accumulated or factored is exactly symmetric.
+
+    Example:
+        >>> A = torch.tensor([[1.0, 2.0], [2.0 + 1e-6, 3.0]])
+        >>> torch.equal(symmetrized(A), symmetrized(A).mT)
+        True
+    """
+    return 0.5 * (A + A.mT)

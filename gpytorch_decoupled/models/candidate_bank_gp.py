@@ -10,13 +10,13 @@ from gpytorch.variational import (
     CholeskyVariationalDistribution,
     UnwhitenedVariationalStrategy,
     VariationalStrategy,
-    _VariationalStrategy,
 )
 from torch import Tensor
 
+from ..gpytorch_compat import VariationalStrategyBase
 from ..kernels import CandidateKernelBank
 
-StrategyFactory = Callable[[ApproximateGP, Tensor, int], _VariationalStrategy]
+StrategyFactory = Callable[[ApproximateGP, Tensor, int], VariationalStrategyBase]
 
 
 class CandidateBankGP(ApproximateGP):

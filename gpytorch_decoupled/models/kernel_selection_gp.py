@@ -5,12 +5,12 @@ from collections.abc import Sequence
 import torch
 from gpytorch import Module
 from gpytorch.likelihoods import GaussianLikelihood, Likelihood
-from gpytorch.likelihoods.gaussian_likelihood import _GaussianLikelihoodBase
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..gpytorch_compat import GaussianLikelihoodBase
 from ..kernels import CandidateKernelBank, KernelExpression, KernelSpace
-from ..variational._input_checks import checked_inputs
+from ..variational import checked_inputs
 from .candidate_bank_gp import CandidateBankGP, StrategyFactory
 from .gaussian_mixture_predictive import GaussianMixturePredictive
 from .hyperparameter_posterior import HyperparameterPosterior
@@ -314,7 +314,7 @@ class KernelSelectionGP(Module):
         :return: A :class:`GaussianMixturePredictive` with batch shape ``(n_*,)``.
         """
         x = checked_inputs(x, self.candidates.variational_strategy.inducing_points, self)
-        if observation_noise and not isinstance(self.likelihood, _GaussianLikelihoodBase):
+        if observation_noise and not isinstance(self.likelihood, GaussianLikelihoodBase):
             raise ValueError("observation_noise=True needs a Gaussian likelihood; use observation_noise=False.")
         local_elbos = self._stored_local_elbos()
         if candidates is not None:

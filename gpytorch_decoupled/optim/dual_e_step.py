@@ -10,7 +10,6 @@ from torch import Tensor
 
 from ..linalg import cholesky_solve, solve_lower_transpose
 from ..variational import DualPosteriorFactors, DualSiteStatistics, DualVariationalStrategy
-from ..variational._input_checks import checked_inputs
 
 
 class DualEStep(torch.optim.Optimizer):
@@ -178,7 +177,7 @@ class DualEStep(torch.optim.Optimizer):
                 raise ValueError("per-datum sites need the batch's indices into datum_inputs, one per row of x.")
             # Validate x first (width, dtype, device, NaN), so that a bad batch gets its own error, not a failed
             # (or, across devices, impossible) comparison with datum_inputs.
-            checked_inputs(x, self.strategy.inducing_points, self.strategy.model)
+            self.strategy.checked_inputs(x)
             if not torch.equal(distribution.datum_inputs[indices], x):
                 raise ValueError("x is not datum_inputs[indices]; the sites were not changed.")
         reusable = None if distribution.per_datum else self._reusable_factors()

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import torch
 from gpytorch.likelihoods import Likelihood
@@ -8,6 +9,13 @@ from gpytorch.models import ApproximateGP
 from torch import Tensor
 
 from ..kernels import initialize_hyperparameters
+
+
+class BasisGrowth(NamedTuple):
+    """What one :meth:`OnlineBasisGrowth.step` added."""
+
+    mean_points: int  # points added to the mean basis
+    inducing_points: int  # points added to the covariance basis
 
 
 class OnlineBasisGrowth:
@@ -94,11 +102,14 @@ class OnlineBasisGrowth:
         self.initialize = initialize
         self.generator = generator
 
-    def step(self, x: Tensor, y: Tensor | None = None) -> tuple[int, int]:
+    def step(self, x: Tensor, y: Tensor | None = None) -> BasisGrowth:
         """
         Grows the bases from the mini-batch ``x`` (and, on the first call, initializes the hyperparameters).
 
-        :return: The numbers of points added to the mean and to the covariance basis.
+        :param x: The mini-batch's inputs, ``(B, D)``.
+        :param y: Its targets (for the median trick's noise; optional).
+        :return: The numbers of points added to the mean and to the covariance basis: this step changes the model's
+            structure, not the value of an objective.
         """
         if self.initialize:
             initialize_hyperparameters(self.model.covar_module, x, y, self.likelihood)
@@ -119,7 +130,18 @@ class OnlineBasisGrowth:
             }
             for optimizer in self.optimizers:
                 _swap_parameters(optimizer, replaced)
-        return num_mean, num_covariance
+        return BasisGrowth(num_mean, num_covariance)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Whether the median trick is still to be applied and the state of the random generator (if one was given)."""
+        generator = None if self.generator is None else self.generator.get_state()
+        return {"initialize": self.initialize, "generator": generator}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores a :meth:`state_dict` (the generator's state only where this object has a generator)."""
+        self.initialize = bool(state_dict["initialize"])
+        if self.generator is not None and state_dict["generator"] is not None:
+            self.generator.set_state(state_dict["generator"])
 
     def _room(self, points: Tensor, budget: int, x: Tensor) -> int:
         return max(0, min(self.points_per_step, budget - points.size(-2), x.size(-2)))

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import warnings
+
 import torch
+from torch import Tensor
 
 from ..variational import OrthogonallyDecoupledVariationalStrategy
 
@@ -27,7 +30,13 @@ class OrthogonalMeanNaturalGradient(torch.optim.Optimizer):
     Use it next to :class:`gpytorch.optim.NGD` on ``model.variational_parameters()`` (the covariance block) and Adam
     on the remaining hyperparameters (exclude ``mean_coefficients`` from Adam).
 
-    :param strategy: The orthogonally decoupled strategy whose ``mean_coefficients`` are stepped.
+    Like :class:`gpytorch.optim.NGD` it is a :class:`torch.optim.Optimizer` over the parameters it steps (learning-rate
+    schedulers and ``state_dict`` work as usual) with ``step(closure=None)``; since the preconditioner needs their
+    strategies' kernel blocks as well, it is built from the model that holds them (see :ref:`update-steps-contract`).
+
+    :param model: The model (e.g. the :class:`~gpytorch.models.ApproximateGP`) whose orthogonally decoupled strategies
+        (its own, or the base of a multitask wrapper) have their mean coefficients stepped. Passing a strategy still
+        works for one release, with a ``DeprecationWarning``.
     :param num_data: Number of training points :math:`N`.
     :param lr: Step size :math:`\tau`.
     :param jitter: :math:`\epsilon`, keeps the preconditioner finite where a mean-basis point lies in
@@ -47,7 +56,7 @@ class OrthogonalMeanNaturalGradient(torch.optim.Optimizer):
         ...     def forward(self, x):
         ...         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
         >>> model, likelihood = ODVGP(), gpytorch.likelihoods.GaussianLikelihood()
-        >>> mean_step = OrthogonalMeanNaturalGradient(model.variational_strategy, num_data=100, lr=0.02)
+        >>> mean_step = OrthogonalMeanNaturalGradient(model, num_data=100, lr=0.02)
         >>> x = torch.linspace(-2, 2, 100).unsqueeze(-1)
         >>> loss = -gpytorch.mlls.VariationalELBO(likelihood, model, num_data=100)(model(x), torch.sin(3 * x[:, 0]))
         >>> loss.backward()
@@ -57,34 +66,57 @@ class OrthogonalMeanNaturalGradient(torch.optim.Optimizer):
         https://arxiv.org/abs/1809.08820
     """
 
-    def __init__(
-        self,
-        strategy: OrthogonallyDecoupledVariationalStrategy,
-        num_data: int,
-        lr: float = 0.01,
-        jitter: float = 1e-6,
-    ):
-        if not isinstance(strategy, OrthogonallyDecoupledVariationalStrategy):
-            raise TypeError(f"expected an OrthogonallyDecoupledVariationalStrategy, got {type(strategy).__name__}.")
+    def __init__(self, model: torch.nn.Module, num_data: int, lr: float = 0.01, jitter: float = 1e-6):
+        if isinstance(model, OrthogonallyDecoupledVariationalStrategy):
+            warnings.warn(
+                "OrthogonalMeanNaturalGradient(strategy, ...) is deprecated: pass the model (the module that holds the "
+                "strategy), as for the package's other update steps; the strategy form will be removed in the next "
+                "release.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            strategies = [model]
+        elif isinstance(model, torch.nn.Module):
+            strategies = [m for m in model.modules() if isinstance(m, OrthogonallyDecoupledVariationalStrategy)]
+        else:
+            strategies = []
+        if not strategies:
+            raise TypeError(
+                "OrthogonalMeanNaturalGradient needs a model with an OrthogonallyDecoupledVariationalStrategy, got "
+                f"{type(model).__name__}."
+            )
         if lr <= 0 or num_data <= 0 or jitter <= 0:
             raise ValueError(f"lr, num_data and jitter must be positive, got {lr}, {num_data}, {jitter}.")
-        super().__init__([strategy.mean_coefficients], {"lr": lr})
-        self.strategy = strategy
+        super().__init__([strategy.mean_coefficients for strategy in strategies], {"lr": lr})
+        self.strategies = strategies
         self.num_data = num_data
         self.jitter = jitter
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None) -> Tensor | None:
+        """
+        One step on every strategy's mean coefficients that has a gradient (all of them are checked before any
+        changes).
+
+        :param closure: Re-evaluates the model and returns the loss (optional, as for :class:`torch.optim.Optimizer`).
+        :return: The closure's loss, or None.
+        :raises RuntimeError: If a step is not finite; then no coefficient changes.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        coefficients = self.strategy.mean_coefficients
-        if coefficients.grad is None:
-            return loss
-        preconditioner = self.strategy.residual_variances().clamp_min(0) + self.jitter
-        update = self.param_groups[0]["lr"] * self.num_data * coefficients.grad / preconditioner
-        if not torch.isfinite(update).all():
-            raise RuntimeError("the natural-gradient step on mean_coefficients is not finite; nothing was changed.")
-        coefficients.sub_(update)
+        updates = []
+        for strategy in self.strategies:
+            # Read from the strategy, not from param_groups: growing the basis replaces the parameter.
+            coefficients = strategy.mean_coefficients
+            if coefficients.grad is None:
+                continue
+            preconditioner = strategy.residual_variances().clamp_min(0) + self.jitter
+            update = self.param_groups[0]["lr"] * self.num_data * coefficients.grad / preconditioner
+            if not torch.isfinite(update).all():
+                raise RuntimeError("the natural-gradient step on mean_coefficients is not finite; nothing was changed.")
+            updates.append((coefficients, update))
+        for coefficients, update in updates:
+            coefficients.sub_(update)
         return loss

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from gpytorch import settings
@@ -9,8 +10,8 @@ from gpytorch.models import ApproximateGP
 from torch import Tensor
 from torch.func import functional_call, jvp, vmap
 
+from ..variational import KalmanVariationalStrategy
 from ._inducing_jacobians import STRUCTURED_APPROXIMATIONS, InducingJacobians
-from ._kalman_model import kalman_strategy
 
 PROPAGATE = ("full", "hyperparameters", "none")
 
@@ -33,9 +34,8 @@ class _Increments(torch.nn.Module):
     ) -> tuple[Tensor, Tensor] | Tensor:
         strategy = self.model.variational_strategy
         if rows is None:
-            joint, num_inducing = strategy._joint_prior(x)
-            return joint.lazy_covariance_matrix[..., :num_inducing, num_inducing:].to_dense().double()
-        terms, _ = strategy._observation_terms(x, y)
+            return strategy.inducing_data_covariance(x)
+        terms, _ = strategy.observation_terms(x, y)
         return terms.information_vector, terms.information_matrix[..., rows, cols]
 
 
@@ -172,7 +172,7 @@ class RecursiveGradientPropagation:
         propagate: str = "full",
         chunk_size: int | None = None,
     ):
-        self.strategy = kalman_strategy(model, likelihood, type(self).__name__)
+        self.strategy = KalmanVariationalStrategy.of_model(model, likelihood, type(self).__name__)
         if propagate not in PROPAGATE:
             raise ValueError(f"propagate must be one of {', '.join(map(repr, PROPAGATE))}, got {propagate!r}.")
         if chunk_size is not None and chunk_size < 1:
@@ -276,6 +276,51 @@ class RecursiveGradientPropagation:
         dense = sum(tensor.numel() * tensor.element_size() for tensor in (self._vector_jacobian, self._matrix_jacobian))
         return dense + (0 if self._inducing_jacobians is None else self._inducing_jacobians.nbytes)
 
+    def state_dict(self) -> dict[str, Any]:
+        """
+        What a resumed run needs besides the model, the likelihood and the optimizer (which have their own state dicts):
+        the propagated Jacobians of the current epoch, the number of points they cover and whether the structured
+        Jacobians of the inducing inputs are in use. Tensors are the live ones: copy them (``torch.save`` does) to keep
+        a snapshot.
+        """
+        inducing = self._inducing_jacobians
+        return {
+            "num_observed": self._num_observed,
+            "structure_allowed": self._structure_allowed,
+            "structure_verified": self._structure_verified,
+            "vector_jacobian": self._vector_jacobian,
+            "matrix_jacobian": self._matrix_jacobian,
+            "inducing_jacobian_values": None if inducing is None else inducing.values,
+            "inducing_jacobian_rows": None if inducing is None else inducing.rows,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """
+        Restores a :meth:`state_dict` of an update object for the same model and optimizer parameters (load the
+        model's state dict too, so that its strategy has absorbed the same points).
+
+        :raises ValueError: If the Jacobians do not have the shapes of this object's (other parameters, another
+            number of inducing points or latents); nothing is changed then.
+        """
+        values, rows = state_dict["inducing_jacobian_values"], state_dict["inducing_jacobian_rows"]
+        vector, matrix = state_dict["vector_jacobian"], state_dict["matrix_jacobian"]
+        structured = values is not None
+        self._configure(structured)
+        if vector is not None:
+            expected = (self.strategy.statistics.information_vector.shape, sum(self._dense_sizes))
+            found = (vector.shape[:-1], vector.size(-1))
+            if found != expected or (structured and values.shape != self.strategy.inducing_points.shape):
+                self._configure(self._inducing_jacobians is not None)
+                raise ValueError(
+                    f"the state's Jacobians have shapes {tuple(vector.shape)}, but this object propagates "
+                    f"{expected[1]} scalar parameters for statistics of shape {tuple(expected[0])}."
+                )
+        self._num_observed = state_dict["num_observed"]
+        self._structure_allowed = state_dict["structure_allowed"]
+        self._structure_verified = state_dict["structure_verified"]
+        self._vector_jacobian, self._matrix_jacobian = vector, matrix
+        self._inducing_jacobians = InducingJacobians(values, rows) if structured else None
+
     def start_epoch(self) -> None:
         """Resets the strategy to the prior and the Jacobians to zero, at the current hyperparameters."""
         self.strategy.reset()
@@ -287,11 +332,11 @@ class RecursiveGradientPropagation:
         self._configure(structured)
         self._inducing_jacobians = InducingJacobians.zeros(self.strategy.inducing_points) if structured else None
         self._structure_verified = False
-        state = self.strategy._variational_distribution
-        num_inducing, size = state.num_inducing_points, sum(self._dense_sizes)
-        options = {"dtype": torch.float64, "device": state.device}
-        self._vector_jacobian = torch.zeros(*state.batch_shape, num_inducing, size, **options)
-        self._matrix_jacobian = torch.zeros(*state.batch_shape, num_inducing * (num_inducing + 1) // 2, size, **options)
+        vector = self.strategy.statistics.information_vector
+        *batch_shape, num_inducing = vector.shape
+        size = sum(self._dense_sizes)
+        self._vector_jacobian = vector.new_zeros(*batch_shape, num_inducing, size)
+        self._matrix_jacobian = vector.new_zeros(*batch_shape, num_inducing * (num_inducing + 1) // 2, size)
 
     def _add_increment_jacobians(self, x: Tensor, y: Tensor, features: Tensor, targets: Tensor) -> None:
         """Adds the Jacobians of a mini-batch's increments with respect to the propagated parameters to the propagated
@@ -310,7 +355,7 @@ class RecursiveGradientPropagation:
             self._add_dense_jacobians(x, y, rows, cols)
 
     def _chunk(self, per_direction: int) -> int:
-        batch_size = self.strategy._variational_distribution.batch_shape.numel()
+        batch_size = self.strategy.statistics.information_vector[..., 0].numel()
         return self.chunk_size or max(1, _CHUNK_ELEMENTS // (batch_size * per_direction))
 
     def _add_dense_jacobians(self, x: Tensor, y: Tensor, rows: Tensor, cols: Tensor) -> None:
@@ -357,7 +402,7 @@ class RecursiveGradientPropagation:
 
         increment = InducingJacobians.zeros(inducing_points)
         dims, num_inducing, batch = inducing_points.size(-1), inducing_points.size(-2), x.size(-2)
-        scale = self.strategy._noise().detach().rsqrt()
+        scale = self.strategy.noise_variance().detach().rsqrt()
         chunk = self._chunk(num_inducing**2 + 4 * num_inducing * batch)
         for start in range(0, dims, chunk):
             stop = min(start + chunk, dims)
@@ -404,16 +449,17 @@ class RecursiveGradientPropagation:
         return False
 
     # ------------------------------------------------------------------ the step
-    def step(self, x: Tensor, y: Tensor) -> float:
+    def step(self, x: Tensor, y: Tensor) -> Tensor:
         r"""
         One SRGP step on a mini-batch: :math:`\psi_k` and its total gradient, absorb the mini-batch, one optimizer step.
 
         :param x: Inputs, ``(B, D)``.
         :param y: Targets, ``(B,)``.
-        :return: :math:`\psi_k` at the hyperparameters before the step (summed over latents).
+        :return: :math:`\psi_k` at the hyperparameters before the step (summed over latents; the objective's value,
+            so higher is better), a detached 0-dim tensor in the model's dtype.
         """
         strategy = self.strategy
-        x, y = strategy._checked_data(x, y)
+        x, y = strategy.checked_data(x, y)
         if self._vector_jacobian is None:
             self.start_epoch()
         if strategy.num_observed != self._num_observed:
@@ -423,22 +469,23 @@ class RecursiveGradientPropagation:
                 "restart the epoch."
             )
         information_vector, information_matrix = (
-            statistic.detach().clone().requires_grad_(True) for statistic in strategy._variational_distribution()
+            statistic.detach().clone().requires_grad_(True) for statistic in strategy.statistics
         )
         with torch.enable_grad():
-            psi, terms = strategy._bound_term(x, y, information_vector, information_matrix)
+            terms, inducing_covariance = strategy.observation_terms(x, y)
+            psi = strategy.bound_term(terms, inducing_covariance, information_vector, information_matrix)
             gradients = torch.autograd.grad(
                 psi.sum(), [*self._parameters, information_vector, information_matrix], allow_unused=True
             )
         *direct, vector_adjoint, matrix_adjoint = gradients
         histories = self._history(vector_adjoint, matrix_adjoint)
-        increments = strategy._increments(terms, psi)
+        increments = strategy.increments(terms, psi)
 
         # The Jacobians are added in place, chunk by chunk: should that fail half-way (out of memory), the epoch
         # cannot go on, and the next step says so.
         self._num_observed = -1
         self._add_increment_jacobians(x, y, terms.features.detach(), terms.targets.detach())
-        strategy._absorb(increments, x.size(-2))
+        strategy.absorb(increments, x.size(-2))
         self._num_observed = strategy.num_observed
 
         for parameter, gradient in zip(self._parameters, direct, strict=True):
@@ -448,7 +495,7 @@ class RecursiveGradientPropagation:
             parameter.grad = total.neg_()
         self.optimizer.step()
         strategy._clear_cache()
-        return float(psi.detach().sum())
+        return psi.detach().sum().to(strategy.inducing_points.dtype)
 
     def _history(self, vector_adjoint: Tensor | None, matrix_adjoint: Tensor | None) -> dict[int, Tensor]:
         r""":math:`\mathbf J_\eta^\top\bar{\boldsymbol\eta}+\langle\mathbf J_\Lambda,\bar{\boldsymbol\Lambda}\rangle`,

@@ -4,13 +4,14 @@ from collections.abc import Callable
 
 import torch
 from gpytorch.distributions import MultivariateNormal
-from gpytorch.variational._variational_distribution import _VariationalDistribution
 from torch import Tensor
+
+from ..gpytorch_compat import VariationalDistributionBase
 
 _STATE_BUFFERS = ("information_vector", "information_matrix", "bound", "num_observed")
 
 
-class _KalmanState(_VariationalDistribution):
+class _KalmanState(VariationalDistributionBase):
     r"""
     What a :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` has absorbed: the data part of its
     information-form state in the transformed coordinates :math:`\tilde{\mathbf u} = \mathbf K_{\mathbf{uu}}^{-1}

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower
+from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower, symmetrized
 
 APPROXIMATIONS = ("vfe", "dtc", "fitc", "pitc", "pep")
 
@@ -27,6 +27,26 @@ def checked_approximation(approximation: str, alpha: float | None) -> tuple[str,
     if alpha is None or not 0.0 < float(alpha) <= 1.0:
         raise ValueError(f"approximation='pep' needs a power 0 < alpha <= 1 (1 is FITC, alpha -> 0 VFE), got {alpha}.")
     return approximation, float(alpha)
+
+
+class KalmanStatistics(NamedTuple):
+    r"""
+    The data part of a :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy`'s information-form state in
+    the transformed coordinates :math:`\tilde{\mathbf u} = \mathbf K_{\mathbf{uu}}^{-1}\mathbf u`, float64: sums over
+    the absorbed mini-batches.
+    """
+
+    information_vector: Tensor  # eta~ = sum_k K_uk V_k^{-1} (y_k - mu_0(X_k)), (..., M)
+    information_matrix: Tensor  # Lambda~ - K_uu = sum_k K_uk V_k^{-1} K_ku, (..., M, M)
+
+
+class KalmanIncrements(NamedTuple):
+    r"""What one mini-batch adds to a :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy`'s state
+    (detached, finite, the matrix exactly symmetric)."""
+
+    information_vector: Tensor  # (..., M)
+    information_matrix: Tensor  # (..., M, M)
+    bound: Tensor  # psi_k, (...)
 
 
 class ObservationTerms(NamedTuple):
@@ -99,10 +119,6 @@ def observation_terms(
     else:
         regularizer = torch.zeros_like(log_det_noise)
     return ObservationTerms(features, targets, log_det_noise, regularizer)
-
-
-def symmetrized(matrix: Tensor) -> Tensor:
-    return 0.5 * (matrix + matrix.mT)
 
 
 def bound_term(

@@ -1,39 +1,67 @@
 from __future__ import annotations
 
+import functools
+
 import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.models import ApproximateGP
 from gpytorch.settings import trace_mode
-from gpytorch.utils.memoize import _add_to_cache_ignore_args, _get_from_cache_ignore_args, _is_in_cache_ignore_args
-from gpytorch.variational import VariationalStrategy
-from gpytorch.variational._variational_distribution import _VariationalDistribution
-from linear_operator.operators import LinearOperator, SumLinearOperator
+from gpytorch.utils.errors import CachingError
+from gpytorch.utils.memoize import cached, pop_from_cache_ignore_args
+from linear_operator.operators import DiagLinearOperator, LinearOperator, SumLinearOperator
 from torch import Tensor
 
-from ._cache_safe_mixin import _CacheSafeMixin
-from ._mean_basis_mixin import _MeanBasisMixin
+from ..gpytorch_compat import (
+    VariationalDistributionBase,
+    VariationalStrategyBase,
+    cache_safe,
+    compute_predictive_updates,
+    whitened_cholesky_factor,
+)
 from ._replace_tensor import replace_tensor
+from .checked_inputs import checked_inputs
+from .joint_prior import JointPrior, joint_prior
+from .mean_basis import MeanBasis, MeanBasisAttribute, load_renamed_keys
+
+# Keys of checkpoints saved before the mean basis became a component, and GPyTorch's whitening flag, which a strategy
+# that was never unwhitened has no use for.
+_OLD_KEYS = {"mean_inducing_points": "mean_basis.inducing_points", "mean_coefficients": "mean_basis.coefficients"}
 
 
-class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, VariationalStrategy):
+@cache_safe
+class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
     r"""
     A whitened SVGP block on the covariance basis :math:`\beta` plus an extra mean basis :math:`\gamma` with
-    coefficients :math:`\mathbf a_\gamma` (``mean_coefficients``, a parameter of the strategy, not of the variational
-    distribution: an NGD step on them is not a natural-gradient step). Both the hybrid and the orthogonally decoupled
-    bases are of this form (Cheng & Boots 2017, App. A.3; Salimbeni et al. 2018, eqs. 11-12); they differ only in how
-    the :math:`\beta` block's mean relates to the :math:`\gamma` block (:meth:`_covariance_block_mean`) and so in their
-    KL.
+    coefficients :math:`\mathbf a_\gamma` (the :class:`~gpytorch_decoupled.variational.MeanBasis` component
+    ``mean_basis``, whose coefficients are a hyperparameter of the strategy, not a variational parameter: an NGD step
+    on them is not a natural-gradient step). Both the hybrid and the orthogonally decoupled bases are of this form
+    (Cheng & Boots 2017, App. A.3; Salimbeni et al. 2018, eqs. 11-12); they differ only in how the :math:`\beta`
+    block's mean relates to the :math:`\gamma` block (:meth:`_covariance_block_mean`) and so in their KL.
 
-    The quantity both need is :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma`
-    (:meth:`residual_coordinates`), the whitened coordinates of the :math:`\gamma` mean at :math:`\beta`; it comes out
-    of the same kernel evaluation as the data's mean-basis values and the KL's sampled rows.
+    The SVGP block is GPyTorch's whitened one (:class:`~gpytorch.variational.VariationalStrategy`: the same prior,
+    jitter, cached factor and predictive updates), computed here from the blocks of one joint prior. The quantity both
+    bases need is :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma`
+    (:meth:`residual_coordinates`), the whitened coordinates of the :math:`\gamma` mean at :math:`\beta`; in training it
+    comes out of the same kernel evaluation as the data's mean-basis values and the KL's sampled rows.
+
+    :math:`\mathbf c` is kept in the attribute ``_residual_coordinates`` from the forward pass of a training step to
+    its KL, and in eval mode from the first prediction on; None until computed, it is forgotten with GPyTorch's caches
+    (:func:`~gpytorch_decoupled.gpytorch_compat.cache_safe`). The mean basis keeps this step's sample of its quadratic
+    form itself (:class:`~gpytorch_decoupled.variational.MeanBasis`).
     """
+
+    _step_attributes = ("_residual_coordinates",)
+    _residual_coordinates: Tensor | None = None
+
+    mean_inducing_points = MeanBasisAttribute("inducing_points", r"The mean basis :math:`\gamma`, ``(M_gamma, D)``.")
+    mean_coefficients = MeanBasisAttribute("coefficients", r"The mean coefficients :math:`\mathbf a_\gamma`.")
+    num_kl_columns = MeanBasisAttribute("num_kl_columns", "Rows of the mean basis's kernel matrix sampled for the KL.")
 
     def __init__(
         self,
         model: ApproximateGP,
         inducing_points: Tensor,
-        variational_distribution: _VariationalDistribution,
+        variational_distribution: VariationalDistributionBase,
         mean_inducing_points: Tensor,
         learn_inducing_locations: bool = True,
         num_kl_columns: int | None = 64,
@@ -42,18 +70,51 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
         jitter_val: float | None = None,
     ):
         super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
-        # The fantasy (OVC) machinery of the base class assumes the single-basis SVGP.
-        self.has_fantasy_strategy = False
-        self._init_mean_basis(mean_inducing_points, learn_inducing_locations, num_kl_columns, kl_block_size)
-        gamma = self.mean_inducing_points
-        # Near zero, as GPyTorch starts variational means (mean_init_std): exactly zero would leave gamma without a
-        # gradient in the first step.
-        coefficients = torch.randn(*variational_distribution.batch_shape, gamma.size(-2), dtype=gamma.dtype)
-        self.register_parameter("mean_coefficients", torch.nn.Parameter(coefficients.mul_(mean_init_std).to(gamma)))
+        self.mean_basis = MeanBasis(
+            model,
+            mean_inducing_points,
+            self.inducing_points,
+            learn_inducing_locations,
+            num_kl_columns,
+            kl_block_size,
+            batch_shape=variational_distribution.batch_shape,
+            init_std=mean_init_std,
+        )
+        self.register_load_state_dict_pre_hook(functools.partial(load_renamed_keys, _OLD_KEYS, ("updated_strategy",)))
 
-    def _beta_cholesky(self, covariance: LinearOperator | None = None):
-        """Cholesky factor of :math:`\\mathbf K_\\beta` (``covariance`` when given, e.g. a block of a joint prior)
-        plus jitter, shared with the base class's cache."""
+    # ------------------------------------------------------------------ the mean basis
+    def mean_basis_quadratic_form(self, indices: Tensor | None = None) -> Tensor:
+        r"""
+        :math:`\mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma`: exact in eval mode or with
+        ``num_kl_columns=None``; in training, the unbiased column-sampled estimate of this step (drawn in the forward
+        pass, or here if no forward pass came first); for explicit ``indices``, the estimate for that sample of rows.
+        """
+        return self.mean_basis.quadratic_form(self.mean_coefficients, indices)
+
+    # ------------------------------------------------------------------ the whitened SVGP block
+    @property
+    @cached(name="prior_distribution_memo")
+    def prior_distribution(self) -> MultivariateNormal:
+        r"""The whitened prior :math:`\mathcal N(\mathbf 0, \mathbf I)` of the :math:`\beta` block."""
+        distribution = self._variational_distribution
+        zeros = torch.zeros(distribution.shape(), dtype=distribution.dtype, device=distribution.device)
+        return MultivariateNormal(zeros, DiagLinearOperator(torch.ones_like(zeros)))
+
+    def _cholesky_factor(self, covariance: LinearOperator) -> LinearOperator:
+        """GPyTorch's factor of :math:`\\mathbf K_\\beta` plus jitter (``covariance``), memoized for the step (training)
+        or for every prediction (eval mode); recomputed when inputs of another batch shape need another one."""
+        factor = whitened_cholesky_factor(self, covariance)
+        if factor.shape != covariance.shape:
+            try:
+                pop_from_cache_ignore_args(self, "cholesky_factor")
+            except CachingError:
+                pass
+            factor = whitened_cholesky_factor(self, covariance)
+        return factor
+
+    def _beta_cholesky(self, covariance: LinearOperator | None = None) -> LinearOperator:
+        """Cholesky factor of :math:`\\mathbf K_\\beta` (``covariance`` when given, e.g. a block of a joint prior) plus
+        jitter."""
         if covariance is None:
             covariance = self.model.forward(self.inducing_points).lazy_covariance_matrix
         return self._cholesky_factor(covariance.add_jitter(self.jitter_val))
@@ -61,18 +122,19 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
     def residual_coordinates(self) -> Tensor:
         r"""
         :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma`, so that the mean of the
-        :math:`\gamma` block at :math:`\beta` is :math:`\mathbf L_\beta \mathbf c`. Cached in eval mode (where
-        predictions then need only :math:`\mathbf k_{\mathbf x\gamma}`) and within one training step (shared by the
-        forward pass and the KL).
+        :math:`\gamma` block at :math:`\beta` is :math:`\mathbf L_\beta \mathbf c`. Kept in eval mode (where predictions
+        then need only :math:`\mathbf k_{\mathbf x\gamma}`) and within one training step (shared by the forward pass and
+        the KL).
         """
-        if not _is_in_cache_ignore_args(self, "residual_coordinates"):
-            self._cache_residual_coordinates(self._mean_basis_values(self.inducing_points))
-        return _get_from_cache_ignore_args(self, "residual_coordinates")
+        if self._residual_coordinates is None:
+            self._set_residual_coordinates(self.mean_basis.values(self.inducing_points, self.mean_coefficients))
+        return self._residual_coordinates
 
-    def _cache_residual_coordinates(self, beta_values: Tensor, chol: LinearOperator | None = None) -> Tensor:
+    def _set_residual_coordinates(self, beta_values: Tensor, chol: LinearOperator | None = None) -> Tensor:
         chol = self._beta_cholesky() if chol is None else chol
         coordinates = chol.solve(beta_values.unsqueeze(-1).type(chol.dtype)).squeeze(-1).type(beta_values.dtype)
-        return _add_to_cache_ignore_args(self, "residual_coordinates", coordinates)
+        self._residual_coordinates = coordinates
+        return coordinates
 
     def _covariance_block_mean(self, inducing_values: Tensor, coordinates: Tensor) -> Tensor:
         r"""
@@ -80,6 +142,34 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
         coordinates :math:`\mathbf c`.
         """
         raise NotImplementedError
+
+    def _predictive(
+        self,
+        prior: JointPrior,
+        chol: LinearOperator,
+        block_mean: Tensor,
+        variational_inducing_covar: LinearOperator | None,
+        diag: bool,
+    ) -> tuple[Tensor, LinearOperator | Tensor]:
+        r"""
+        The mean and covariance of GPyTorch's whitened SVGP predictive at the data, from the blocks of ``prior`` (input
+        set 0 is :math:`\beta`, the last the data), the factor ``chol`` of :math:`\mathbf K_\beta` and the whitened
+        block mean and covariance.
+        """
+        data = len(prior.sizes) - 1
+        mean_update, covariance_update = compute_predictive_updates(
+            self,
+            chol=chol,
+            induc_data_covar=prior.covariance(0, data).to_dense(),
+            inducing_values=block_mean,
+            variational_inducing_covar=variational_inducing_covar,
+            prior_covar=self.prior_distribution.lazy_covariance_matrix,
+            diag=diag,
+        )
+        covariance = SumLinearOperator(prior.covariance(data, data).add_jitter(self.jitter_val), covariance_update)
+        if trace_mode.on():
+            covariance = covariance.to_dense()
+        return prior.mean(data) + mean_update, covariance
 
     def forward(
         self,
@@ -90,53 +180,37 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
         diag: bool = True,
         **kwargs,
     ) -> MultivariateNormal:
-        if _is_in_cache_ignore_args(self, "residual_coordinates"):
-            _, data_values, _ = self._fused_mean_basis_values(x, [], **kwargs)
+        if self._residual_coordinates is not None:
+            data_values = self.mean_basis.fused_values(x, [], self.mean_coefficients, **kwargs).data_values
         else:
-            (beta_values,), data_values, prior = self._fused_mean_basis_values(x, [self.inducing_points], **kwargs)
-            if prior is not None and self.training and diag:
-                return self._training_forward(
-                    x, inducing_values, variational_inducing_covar, beta_values, data_values, prior
+            values = self.mean_basis.fused_values(x, [self.inducing_points], self.mean_coefficients, **kwargs)
+            (beta_values,), data_values = values.row_values, values.data_values
+            if values.prior is not None and self.training and diag:
+                # One model.forward per step: the mean basis's joint prior at [beta; C; x; gamma] holds K_beta,
+                # K_beta,x and K_xx too.
+                prior = values.prior
+                chol = self._beta_cholesky(prior.covariance(0, 0))
+                coordinates = self._set_residual_coordinates(beta_values, chol)
+                blocks = JointPrior(prior.distribution, prior.sizes[:-1])  # without gamma: the data are the last set
+                mean, covariance = self._predictive(
+                    blocks,
+                    chol,
+                    self._covariance_block_mean(inducing_values, coordinates),
+                    variational_inducing_covar,
+                    diag,
                 )
-            self._cache_residual_coordinates(beta_values)
+                return MultivariateNormal(mean + data_values, covariance)
+            self._set_residual_coordinates(beta_values)
         block_mean = self._covariance_block_mean(inducing_values, self.residual_coordinates())
-        svgp = super().forward(x, inducing_points, block_mean, variational_inducing_covar, diag=diag, **kwargs)
-        return MultivariateNormal(svgp.mean + data_values, svgp.lazy_covariance_matrix)
+        prior = joint_prior(self.model, inducing_points, x, **kwargs)
+        chol = self._cholesky_factor(prior.covariance(0, 0).add_jitter(self.jitter_val))
+        mean, covariance = self._predictive(prior, chol, block_mean, variational_inducing_covar, diag)
+        return MultivariateNormal(mean + data_values, covariance)
 
-    def _training_forward(
-        self,
-        x: Tensor,
-        inducing_values: Tensor,
-        variational_inducing_covar: LinearOperator | None,
-        beta_values: Tensor,
-        data_values: Tensor,
-        prior: MultivariateNormal,
-    ) -> MultivariateNormal:
-        """
-        GPyTorch's training-mode SVGP block (``VariationalStrategy.forward`` with ``diag=True``: the same jitter, cached
-        factor and predictive updates) on the blocks of the mean basis's joint prior at ``[beta; C; x; gamma]``, which
-        already holds ``K_beta``, ``K_beta,x`` and ``K_xx``: one ``model.forward`` per step instead of three.
-        """
-        num_beta, num_data = self.inducing_points.size(-2), x.size(-2)
-        end = prior.event_shape[-1] - self.mean_inducing_points.size(-2)
-        start = end - num_data
-        covariance = prior.lazy_covariance_matrix
-        chol = self._beta_cholesky(covariance[..., :num_beta, :num_beta])
-        coordinates = self._cache_residual_coordinates(beta_values, chol)
-        mean_update, covariance_update = self._compute_predictive_updates(
-            chol=chol,
-            induc_data_covar=covariance[..., :num_beta, start:end].to_dense(),
-            inducing_values=self._covariance_block_mean(inducing_values, coordinates),
-            variational_inducing_covar=variational_inducing_covar,
-            prior_covar=self.prior_distribution.lazy_covariance_matrix,
-            diag=True,
-        )
-        data_covariance = covariance[..., start:end, start:end].add_jitter(self.jitter_val)
-        predictive_covariance = SumLinearOperator(data_covariance, covariance_update)
-        if trace_mode.on():
-            predictive_covariance = predictive_covariance.to_dense()
-        return MultivariateNormal(prior.mean[..., start:end] + mean_update + data_values, predictive_covariance)
+    def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
+        return super().__call__(checked_inputs(x, self.inducing_points, self.model), prior=prior, diag=diag, **kwargs)
 
+    # ------------------------------------------------------------------ growth
     @torch.no_grad()
     def grow_bases(self, mean_points: Tensor | None = None, inducing_points: Tensor | None = None) -> None:
         r"""
@@ -154,22 +228,24 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
         """
         self._clear_cache()
         # Everything is validated and computed before the first change, so a failure leaves the model as it was.
-        mean_points = None if mean_points is None else self._checked_inputs(mean_points)
+        mean_points = None if mean_points is None else checked_inputs(mean_points, self.inducing_points, self.model)
         target = None
         if inducing_points is not None:
             old = self.inducing_points
-            new = torch.cat([old, self._checked_inputs(inducing_points).expand(*old.shape[:-2], -1, -1)], dim=-2)
+            points = checked_inputs(inducing_points, old, self.model)
+            new = torch.cat([old, points.expand(*old.shape[:-2], -1, -1)], dim=-2)
             q = self.variational_distribution
             old_chol = self._beta_cholesky()
             block_mean = self._covariance_block_mean(q.mean, self.residual_coordinates())
             # A = L^-1 K_{b b'}: the old whitened coordinates of the new covariance basis functions
-            projection = old_chol.solve(self._cross_covariance(old, new).type(old_chol.dtype)).type(old.dtype)
+            cross_covariance = self.mean_basis.cross_covariance(old, new).to_dense()
+            projection = old_chol.solve(cross_covariance.type(old_chol.dtype)).type(old.dtype)
             eye = torch.eye(old.size(-2), dtype=old.dtype, device=old.device)
             new_prior = self.model.forward(new).lazy_covariance_matrix.add_jitter(self.jitter_val)
             new_covariance = new_prior.to_dense() + projection.mT @ (q.covariance_matrix - eye) @ projection
             unwhitened_block = (projection.mT @ block_mean.unsqueeze(-1)).squeeze(-1)
             # New gamma points come with zero coefficients, so the mean basis at beta' is known already.
-            new_values = self._mean_basis_values(new)
+            new_values = self.mean_basis.values(new, self.mean_coefficients)
             self._clear_cache()  # the next factor is of K_beta', not K_beta
             new_chol = self._cholesky_factor(new_prior)
             self._clear_cache()
@@ -184,7 +260,7 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
             target = MultivariateNormal(whitened_block + shift, whiten(whiten(new_covariance).mT))
             replace_tensor(self, "inducing_points", new)
         if mean_points is not None:
-            self._append_mean_points(mean_points, self)
+            self.mean_basis.grow(mean_points)
         if target is not None:
             self._resize_variational_distribution(target)
         self._clear_cache()
@@ -205,6 +281,3 @@ class _ResidualMeanVariationalStrategy(_MeanBasisMixin, _CacheSafeMixin, Variati
             distribution.initialize_variational_distribution(target)
         finally:
             distribution.mean_init_std = mean_init_std
-
-    def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
-        return super().__call__(self._checked_inputs(x), prior=prior, diag=diag, **kwargs)

@@ -5,6 +5,7 @@ from gpytorch.distributions import MultivariateNormal
 from gpytorch.variational import MeanFieldVariationalDistribution
 
 from .hybrid_variational_strategy import HybridVariationalStrategy
+from .initialize_from_prior import initialize_from_prior
 from .orthogonally_decoupled_variational_strategy import OrthogonallyDecoupledVariationalStrategy
 
 
@@ -67,9 +68,7 @@ def convert_mean_basis(
     }
     source._clear_cache()  # parameters may have changed in place since the last call
     with torch.no_grad():
-        if not source.variational_params_initialized.item():  # as GPyTorch would on the first call
-            source._variational_distribution.initialize_variational_distribution(source.prior_distribution)
-            source.variational_params_initialized.fill_(1)
+        initialize_from_prior(source)  # as GPyTorch would on the first call
         source_distribution = source.variational_distribution
         shift = source.residual_coordinates()
         if isinstance(target, type(source)):

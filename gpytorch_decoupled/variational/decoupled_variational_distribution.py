@@ -4,8 +4,9 @@ from typing import NamedTuple
 
 import torch
 from gpytorch.distributions import MultivariateNormal
-from gpytorch.variational._variational_distribution import _VariationalDistribution
 from torch import Tensor
+
+from ..gpytorch_compat import VariationalDistributionBase
 
 
 class DecoupledVariationalParameters(NamedTuple):
@@ -16,7 +17,7 @@ class DecoupledVariationalParameters(NamedTuple):
     precision_factor: Tensor
 
 
-class DecoupledVariationalDistribution(_VariationalDistribution):
+class DecoupledVariationalDistribution(VariationalDistributionBase):
     r"""
     Variational parameters of the decoupled (SVDGP) basis of `Cheng & Boots (2017)`_, for
     :class:`~gpytorch_decoupled.variational.DecoupledVariationalStrategy`: mean coefficients :math:`\mathbf a`

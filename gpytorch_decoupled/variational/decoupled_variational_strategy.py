@@ -1,27 +1,23 @@
 from __future__ import annotations
 
+import functools
+
 import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.models import ApproximateGP
-from gpytorch.utils.memoize import (
-    _add_to_cache_ignore_args,
-    _get_from_cache_ignore_args,
-    _is_in_cache_ignore_args,
-    cached,
-)
-from gpytorch.variational._variational_strategy import _VariationalStrategy
+from gpytorch.utils.memoize import cached
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from ..linalg import cholesky_logdet, jittered_cholesky, solve_lower
-from ._cache_safe_mixin import _CacheSafeMixin
-from ._direct_call_mixin import _DirectCallMixin
-from ._mean_basis_mixin import _MeanBasisMixin
+from ..linalg import jittered_cholesky, solve_lower, whitened_kl
+from ._direct_variational_strategy import _DirectVariationalStrategy
 from ._replace_tensor import replace_tensor
 from .decoupled_variational_distribution import DecoupledVariationalDistribution
+from .joint_prior import joint_prior
+from .mean_basis import MeanBasis, MeanBasisAttribute, load_renamed_keys
 
 
-class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafeMixin, _VariationalStrategy):
+class DecoupledVariationalStrategy(_DirectVariationalStrategy):
     r"""
     The decoupled (SVDGP) variational GP of `Cheng & Boots (2017)`_: a mean basis :math:`\alpha`
     (``mean_inducing_points``, :math:`M_\alpha` points, possibly :math:`10^5` or more) and a separate covariance basis
@@ -65,6 +61,13 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
     (:class:`~gpytorch_decoupled.kernels.GeneralizedRBFKernel`, as extra trailing columns of the inducing points) and
     grows both bases from incoming mini-batches (:class:`~gpytorch_decoupled.optim.OnlineBasisGrowth`).
 
+    The mean basis is the :class:`~gpytorch_decoupled.variational.MeanBasis` component ``mean_basis`` (its
+    coefficients stay the distribution's variational parameter). Values computed once and used again are explicit
+    attributes, None until computed and forgotten with GPyTorch's caches (every training call, ``train()``/``eval()``,
+    ``load_state_dict``, ``.to()``): ``_inner_cholesky_factor``, the factor :math:`\mathbf R` of :math:`\mathbf H`,
+    from the forward pass of a training step to its KL and, in eval mode, across predictions; the mean basis keeps this
+    step's sample of :math:`\mathbf a^\top\mathbf K_\alpha\mathbf a` itself.
+
     :param model: Model this strategy is applied to (typically the :class:`~gpytorch.models.ApproximateGP` itself).
     :param inducing_points: Covariance basis :math:`\beta`, ``(..., M_beta, D)``.
     :param variational_distribution: A :class:`~gpytorch_decoupled.variational.DecoupledVariationalDistribution`
@@ -106,6 +109,12 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
         https://arxiv.org/abs/1711.10127
     """
 
+    _step_attributes = ("_inner_cholesky_factor",)
+    _inner_cholesky_factor: Tensor | None = None
+
+    mean_inducing_points = MeanBasisAttribute("inducing_points", r"The mean basis :math:`\alpha`, ``(M_alpha, D)``.")
+    num_kl_columns = MeanBasisAttribute("num_kl_columns", r"Rows of :math:`\mathbf K_\alpha` sampled for the KL.")
+
     def __init__(
         self,
         model: ApproximateGP,
@@ -124,7 +133,15 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
                 f"{type(variational_distribution).__name__}."
             )
         super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
-        self._init_mean_basis(mean_inducing_points, learn_inducing_locations, num_kl_columns, kl_block_size)
+        self.mean_basis = MeanBasis(
+            model,
+            mean_inducing_points,
+            self.inducing_points,
+            learn_inducing_locations,
+            num_kl_columns,
+            kl_block_size,
+            coefficient_source=variational_distribution,
+        )
         sizes = (self.mean_inducing_points.size(-2), self.inducing_points.size(-2))
         if (variational_distribution.num_mean_points, variational_distribution.num_inducing_points) != sizes:
             raise ValueError(
@@ -132,6 +149,9 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
                 f"M_beta={variational_distribution.num_inducing_points}, but the bases have sizes {sizes}."
             )
         self.jacobi_preconditioning = jacobi_preconditioning
+        self.register_load_state_dict_pre_hook(
+            functools.partial(load_renamed_keys, {"mean_inducing_points": "mean_basis.inducing_points"}, ())
+        )
 
     # ------------------------------------------------------------------ parameters
     def _prior_variances(self, points: Tensor) -> Tensor:
@@ -164,19 +184,27 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
     def _inner_cholesky(self, beta_covariance: Tensor) -> Tensor:
         r"""
         Float64 Cholesky factor :math:`\mathbf R` of :math:`\mathbf H = \mathbf I + \mathbf L_B^\top\mathbf K_\beta
-        \mathbf L_B`, cached for the KL of the same step and for predictions in eval mode.
+        \mathbf L_B`, kept (``_inner_cholesky_factor``) for the KL of the same step and for predictions in eval mode.
         """
-        if _is_in_cache_ignore_args(self, "inner_cholesky"):
-            chol = _get_from_cache_ignore_args(self, "inner_cholesky")
-            # H has the batch shape of K_beta and of L_B together (latents may share one kernel and one beta).
-            latent_shape = self._variational_distribution.precision_factor.shape[:-2]
-            if chol.shape[:-2] == torch.broadcast_shapes(beta_covariance.shape[:-2], latent_shape):
-                return chol
+        chol = self._inner_cholesky_factor
+        # H has the batch shape of K_beta and of L_B together (latents may share one kernel and one beta).
+        latent_shape = self._variational_distribution.precision_factor.shape[:-2]
+        if chol is not None and chol.shape[:-2] == torch.broadcast_shapes(beta_covariance.shape[:-2], latent_shape):
+            return chol
         factor = self.precision_factor.double()
         inner = factor.mT @ beta_covariance.double() @ factor
         inner = inner + torch.eye(inner.size(-1), dtype=inner.dtype, device=inner.device)
         chol = jittered_cholesky(inner, jitter=self._jitter_val, name="DecoupledVariationalStrategy H")
-        return _add_to_cache_ignore_args(self, "inner_cholesky", chol)
+        self._inner_cholesky_factor = chol
+        return chol
+
+    def mean_basis_quadratic_form(self, indices: Tensor | None = None) -> Tensor:
+        r"""
+        :math:`\mathbf a^\top\mathbf K_\alpha\mathbf a`: exact in eval mode or with ``num_kl_columns=None``; in
+        training, the unbiased column-sampled estimate of this step (drawn in the forward pass, or here if no forward
+        pass came first); for explicit ``indices``, the estimate for that sample of rows of :math:`\mathbf K_\alpha`.
+        """
+        return self.mean_basis.quadratic_form(self.mean_coefficients, indices)
 
     @torch.no_grad()
     def grow_bases(self, mean_points: Tensor | None = None, inducing_points: Tensor | None = None) -> None:
@@ -190,10 +218,10 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
         :param inducing_points: New :math:`\beta` points, ``(n, D)``, shared by every latent of the batch.
         """
         distribution = self._variational_distribution
-        mean_points = None if mean_points is None else self._checked_inputs(mean_points)
+        mean_points = None if mean_points is None else self.checked_inputs(mean_points)
         if inducing_points is not None:
             old = self.inducing_points
-            points = self._checked_inputs(inducing_points).expand(*old.shape[:-2], -1, -1)
+            points = self.checked_inputs(inducing_points).expand(*old.shape[:-2], -1, -1)
             replace_tensor(self, "inducing_points", torch.cat([old, points], dim=-2))
             padding = (0, points.size(-2), 0, points.size(-2))
             replace_tensor(
@@ -201,7 +229,7 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
             )
             distribution.num_inducing_points = self.inducing_points.size(-2)
         if mean_points is not None:
-            self._append_mean_points(mean_points, distribution)
+            self.mean_basis.grow(mean_points)
             distribution.num_mean_points = self.mean_inducing_points.size(-2)
         self._clear_cache()
 
@@ -215,19 +243,16 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
         diag: bool = True,
         **kwargs,
     ) -> MultivariateNormal:
-        num_beta = inducing_points.size(-2)
-        joint = self.model.forward(torch.cat([inducing_points, x], dim=-2), **kwargs)
-        joint_covariance = joint.lazy_covariance_matrix
-        beta_covariance = joint_covariance[..., :num_beta, :num_beta].to_dense()
-        beta_data = joint_covariance[..., :num_beta, num_beta:].to_dense()
-        data_covariance = joint_covariance[..., num_beta:, num_beta:]
+        prior = joint_prior(self.model, inducing_points, x, **kwargs)
+        beta_covariance = prior.covariance(0, 0).to_dense()
+        beta_data = prior.covariance(0, 1).to_dense()
+        data_covariance = prior.covariance(1, 1)
 
         chol = self._inner_cholesky(beta_covariance)
         factor = self.precision_factor
         # V = R^-1 L_B^T K_bx, so that the variance reduction is ||V_:n||^2 (Cheng & Boots 2017, App. B.2.1)
         reduction = solve_lower(chol.to(beta_data.dtype), factor.mT @ beta_data)
-        _, mean_values, _ = self._fused_mean_basis_values(x, [], **kwargs)
-        mean = joint.mean[..., num_beta:] + mean_values
+        mean = prior.mean(1) + self.mean_basis.fused_values(x, [], self.mean_coefficients, **kwargs).data_values
         if diag and self.training:
             variance = data_covariance.diagonal(dim1=-2, dim2=-1) - reduction.pow(2).sum(-2)
             return MultivariateNormal(mean, DiagLinearOperator(variance))
@@ -235,7 +260,5 @@ class DecoupledVariationalStrategy(_MeanBasisMixin, _DirectCallMixin, _CacheSafe
 
     def kl_divergence(self) -> Tensor:
         chol = self._inner_cholesky(self.prior_distribution.lazy_covariance_matrix.to_dense())
-        eye = torch.eye(chol.size(-1), dtype=chol.dtype, device=chol.device)
-        trace_inverse = solve_lower(chol, eye).pow(2).sum((-2, -1))
-        covariance_kl = 0.5 * (cholesky_logdet(chol) + trace_inverse - chol.size(-1))
+        covariance_kl = whitened_kl(chol)
         return 0.5 * self.mean_basis_quadratic_form() + covariance_kl.to(self.inducing_points.dtype)

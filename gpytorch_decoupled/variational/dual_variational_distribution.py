@@ -4,8 +4,9 @@ from typing import NamedTuple
 
 import torch
 from gpytorch.distributions import MultivariateNormal
-from gpytorch.variational._variational_distribution import _VariationalDistribution
 from torch import Tensor
+
+from ..gpytorch_compat import VariationalDistributionBase
 
 
 class DualSites(NamedTuple):
@@ -17,7 +18,7 @@ class DualSites(NamedTuple):
     site_precision: Tensor
 
 
-class DualVariationalDistribution(_VariationalDistribution):
+class DualVariationalDistribution(VariationalDistributionBase):
     r"""
     The dual (site) parameters of t-SVGP (`Adam et al. (2021)`_), for
     :class:`~gpytorch_decoupled.variational.DualVariationalStrategy`. The approximate posterior is the prior times one

@@ -5,22 +5,15 @@ from typing import NamedTuple
 import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.models import ApproximateGP
-from gpytorch.utils.memoize import (
-    _add_to_cache_ignore_args,
-    _get_from_cache_ignore_args,
-    _is_in_cache_ignore_args,
-    cached,
-)
+from gpytorch.utils.memoize import cached
 from gpytorch.variational import IndependentMultitaskVariationalStrategy
-from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator, RootLinearOperator
 from torch import Tensor
 
-from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower
-from ._cache_safe_mixin import _CacheSafeMixin
-from ._direct_call_mixin import _DirectCallMixin
-from ._input_checks import checked_inputs
+from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower, whitened_kl
+from ._direct_variational_strategy import _DirectVariationalStrategy
 from .dual_variational_distribution import DualVariationalDistribution
+from .joint_prior import joint_prior
 
 
 class DualPosteriorFactors(NamedTuple):
@@ -46,7 +39,7 @@ class DualSiteStatistics(NamedTuple):
     factors: DualPosteriorFactors  # q(u) before the step
 
 
-class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStrategy):
+class DualVariationalStrategy(_DirectVariationalStrategy):
     r"""
     The dual parameterization of SVGP, t-SVGP (`Adam et al. (2021)`_): :math:`q(\mathbf u)` is the prior
     :math:`\mathcal N(\mathbf 0, \mathbf K_{\mathbf{uu}})` times the Gaussian sites of a
@@ -84,6 +77,10 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
     re-derived from the sites at every :math:`\theta`, the M-step objective is the "tighter bound"
     :math:`\tilde{\mathcal L}(\theta)` of `Adam et al. (2021)`_, App. B, eqs. 39-41 (:ref:`derivations-tsvgp-m-step`);
     its value and gradient equal those of the ELBO with :math:`q` held fixed at a converged E-step.
+
+    The factors of :math:`q` (:meth:`posterior_factors`) are kept in the attribute ``_posterior_factors`` from their
+    first use in a training step to the step's KL, and in eval mode across predictions; like GPyTorch's caches they are
+    dropped on every training call, ``train()``/``eval()``, ``load_state_dict`` and ``.to()``.
 
     :param model: Model this strategy is applied to (typically the :class:`~gpytorch.models.ApproximateGP` itself).
     :param inducing_points: Inducing inputs :math:`\mathbf Z`, ``(..., M, D)``.
@@ -125,6 +122,9 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
     .. _Adam et al. (2021):
         https://arxiv.org/abs/2111.03412
     """
+
+    _step_attributes = ("_posterior_factors",)
+    _posterior_factors: DualPosteriorFactors | None = None
 
     def __init__(
         self,
@@ -185,8 +185,8 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
         :param prior_covariance: :math:`\mathbf K_{\mathbf{uu}}` (with jitter) when the caller has it already from a
             joint kernel evaluation; evaluated from :attr:`prior_distribution` otherwise.
         """
-        if _is_in_cache_ignore_args(self, "dual_posterior_factors"):
-            return _get_from_cache_ignore_args(self, "dual_posterior_factors")
+        if self._posterior_factors is not None:
+            return self._posterior_factors
         if prior_covariance is None:
             prior_covariance = self.prior_distribution.lazy_covariance_matrix.to_dense()
         prior_chol = jittered_cholesky(prior_covariance, name="DualVariationalStrategy K_uu")
@@ -194,8 +194,7 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
         if self._variational_distribution.per_datum:
             # Variant C: ell_1 = K_uu^-1 K_uf lambda_1 and L_2 = K_uu^-1 K_uf diag(lambda_2) K_fu K_uu^-1, so in
             # whitened coordinates h = W_f lambda_1 and P = W_f diag(lambda_2) W_f^T with W_f = L_K^-1 K_uf.
-            datum_inputs = checked_inputs(self._variational_distribution.datum_inputs, self.inducing_points, self.model)
-            _, _, datum_cross, _ = self._joint_prior(datum_inputs)
+            _, _, datum_cross, _ = self._joint_prior(self.checked_inputs(self._variational_distribution.datum_inputs))
             whitened_cross = solve_lower(prior_chol, datum_cross)
             whitened_site_mean = (whitened_cross @ site_mean.unsqueeze(-1)).squeeze(-1)
             whitened_precision = (whitened_cross * site_precision.unsqueeze(-2)) @ whitened_cross.mT
@@ -207,8 +206,10 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
         )
         inner_chol = jittered_cholesky(inner, name="DualVariationalStrategy H")
         whitened_mean = cholesky_solve(inner_chol, whitened_site_mean.unsqueeze(-1)).squeeze(-1)
-        factors = DualPosteriorFactors(prior_chol, whitened_precision, inner_chol, whitened_site_mean, whitened_mean)
-        return _add_to_cache_ignore_args(self, "dual_posterior_factors", factors)
+        self._posterior_factors = DualPosteriorFactors(
+            prior_chol, whitened_precision, inner_chol, whitened_site_mean, whitened_mean
+        )
+        return self._posterior_factors
 
     @property
     @cached(name="variational_distribution_memo")
@@ -261,40 +262,29 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
 
     def kl_divergence(self) -> Tensor:
         _, _, inner_chol, _, whitened_mean = self.posterior_factors()
-        eye = torch.eye(inner_chol.size(-1), dtype=inner_chol.dtype, device=inner_chol.device)
-        trace_inverse = solve_lower(inner_chol, eye).pow(2).sum((-2, -1))
-        return 0.5 * (trace_inverse + whitened_mean.pow(2).sum(-1) - inner_chol.size(-1) + cholesky_logdet(inner_chol))
+        return whitened_kl(inner_chol, whitened_mean)
 
     # ------------------------------------------------------------------ q(f)
-    def _joint_prior(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    def _joint_prior(self, x: Tensor, **kwargs) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         r"""
-        One evaluation of the prior at :math:`[\mathbf Z; \mathbf x]`: the prior mean at :math:`\mathbf x`,
-        :math:`\mathbf K_{\mathbf{uu}}` with jitter (``None`` when :math:`\mathbf x` has a larger batch shape than
-        :math:`\mathbf Z`, so that its block would be expanded), :math:`\mathbf K_{\mathbf u\mathbf x}`, and the lazy
-        prior covariance at :math:`\mathbf x`.
+        The prior mean at :math:`\mathbf x`, :math:`\mathbf K_{\mathbf{uu}}` with jitter (``None`` when
+        :math:`\mathbf x` has a larger batch shape than :math:`\mathbf Z`, so that its block would be expanded),
+        :math:`\mathbf K_{\mathbf u\mathbf x}`, and the lazy prior covariance at :math:`\mathbf x`, from one
+        evaluation of the prior at :math:`[\mathbf Z; \mathbf x]` (``kwargs`` go to ``model.forward``).
         """
         inducing_points = self.inducing_points
-        expanded = inducing_points.shape[:-2] != x.shape[:-2]
-        if expanded:
-            x, inducing_points = self._expand_inputs(x, inducing_points)
-        num_inducing = inducing_points.size(-2)
-        joint = self.model.forward(torch.cat([inducing_points, x], dim=-2))
-        covariance = joint.lazy_covariance_matrix
+        prior = joint_prior(self.model, inducing_points, x, **kwargs)
         # One kernel evaluation k(Z, [Z; x]) gives both K_uu and K_ux.
-        inducing_rows = covariance[..., :num_inducing, :].to_dense()
+        inducing_rows = prior.covariance(0, slice(0, 2)).to_dense()
+        num_inducing = inducing_points.size(-2)
         prior_covariance = None
-        if not expanded:
+        if inducing_points.shape[:-2] == x.shape[:-2]:
             eye = torch.eye(num_inducing, dtype=inducing_rows.dtype, device=inducing_rows.device)
             prior_covariance = inducing_rows[..., :num_inducing] + self.jitter_val * eye
-        return (
-            joint.mean[..., num_inducing:],
-            prior_covariance,
-            inducing_rows[..., num_inducing:],
-            covariance[..., num_inducing:, num_inducing:],
-        )
+        return prior.mean(1), prior_covariance, inducing_rows[..., num_inducing:], prior.covariance(1, 1)
 
     def _marginals(
-        self, x: Tensor, factors: DualPosteriorFactors | None = None
+        self, x: Tensor, factors: DualPosteriorFactors | None = None, **kwargs
     ) -> tuple[DualPosteriorFactors, Tensor, Tensor, Tensor, Tensor]:
         r"""
         The factors of :math:`q`, the prior mean and lazy covariance at :math:`\mathbf x`,
@@ -303,7 +293,7 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
         covariance :math:`\mathbf K_{\mathbf{xx}} - \mathbf W^\top\mathbf W
         + (\mathbf L_H^{-1}\mathbf W)^\top\mathbf L_H^{-1}\mathbf W`.
         """
-        prior_mean, prior_covariance, cross, data_covariance = self._joint_prior(x)
+        prior_mean, prior_covariance, cross, data_covariance = self._joint_prior(x, **kwargs)
         if factors is None:
             factors = self.posterior_factors(prior_covariance)
         whitened_cross = solve_lower(factors.prior_cholesky, cross)
@@ -318,7 +308,7 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
         diag: bool = True,
         **kwargs,
     ) -> MultivariateNormal:
-        factors, prior_mean, data_covariance, whitened_cross, reduced_cross = self._marginals(x)
+        factors, prior_mean, data_covariance, whitened_cross, reduced_cross = self._marginals(x, **kwargs)
         mean = prior_mean + (whitened_cross * factors.whitened_mean.unsqueeze(-1)).sum(-2)
         if diag and self.training:
             variance = _marginal_variances(data_covariance, whitened_cross, reduced_cross)
@@ -343,7 +333,7 @@ class DualVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStr
         :param factors: The factors of :math:`q` at the current hyperparameters and sites when the caller knows them
             (consecutive E-steps at fixed hyperparameters); recomputed otherwise.
         """
-        x = checked_inputs(x, self.inducing_points, self.model)
+        x = self.checked_inputs(x)
         # Hyperparameters may have moved since the cached factors were computed (an M-step in between).
         self._clear_cache()
         factors, prior_mean, data_covariance, whitened_cross, reduced_cross = self._marginals(x, factors)

@@ -3,10 +3,11 @@ from __future__ import annotations
 from gpytorch import variational
 from torch import Tensor
 
-from ._cache_safe_mixin import _CacheSafeMixin
+from ..gpytorch_compat import cache_safe
 
 
-class IndependentMultitaskVariationalStrategy(_CacheSafeMixin, variational.IndependentMultitaskVariationalStrategy):
+@cache_safe
+class IndependentMultitaskVariationalStrategy(variational.IndependentMultitaskVariationalStrategy):
     r"""
     Independent multitask wrapper whose KL is the base strategy's own KL, summed over tasks.
 

@@ -2,34 +2,28 @@ from __future__ import annotations
 
 import torch
 from gpytorch.distributions import MultivariateNormal
-from gpytorch.likelihoods import GaussianLikelihood
+from gpytorch.likelihoods import GaussianLikelihood, Likelihood
 from gpytorch.models import ApproximateGP
-from gpytorch.utils.memoize import (
-    _add_to_cache_ignore_args,
-    _get_from_cache_ignore_args,
-    _is_in_cache_ignore_args,
-    cached,
-)
-from gpytorch.variational._variational_strategy import _VariationalStrategy
+from gpytorch.utils.memoize import cached
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower
-from ._cache_safe_mixin import _CacheSafeMixin
-from ._direct_call_mixin import _DirectCallMixin
-from ._input_checks import checked_inputs
+from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower, symmetrized
+from ._direct_variational_strategy import _DirectVariationalStrategy
 from ._kalman_state import _KalmanState
 from ._kalman_terms import (
+    KalmanIncrements,
+    KalmanStatistics,
     ObservationTerms,
     bound_term,
     checked_approximation,
     collapsed_bound_tail,
     observation_terms,
-    symmetrized,
 )
+from .joint_prior import JointPrior, joint_prior
 
 
-class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalStrategy):
+class KalmanVariationalStrategy(_DirectVariationalStrategy):
     r"""
     The recursive (Kalman-filter) sparse GP of `Schuerch et al. (2020)`_: the posterior of the inducing values
     :math:`\mathbf u = f(\mathbf Z)` is computed in closed form, one mini-batch at a time, with :meth:`update`, for a
@@ -95,7 +89,7 @@ class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalS
 
     Hyperparameters and inducing inputs are learned by maximizing the collapsed bound: by stochastic recursive
     gradient propagation, :class:`~gpytorch_decoupled.optim.RecursiveGradientPropagation` (the paper's SRGP), or with
-    the exact full-data gradient of :class:`~gpytorch_decoupled.optim.StreamingCollapsedBound`. ``kl_divergence``
+    the exact full-data gradient of :class:`~gpytorch_decoupled.mlls.StreamingCollapsedBound`. ``kl_divergence``
     is :math:`\mathrm{KL}(q(\mathbf u)\Vert p(\mathbf u))`, so :class:`~gpytorch.mlls.VariationalELBO` works too (at
     the VFE posterior it equals Titsias' bound).
 
@@ -136,6 +130,9 @@ class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalS
         https://arxiv.org/abs/1910.08393
     """
 
+    _step_attributes = ("_eval_posterior_factors",)
+    _eval_posterior_factors: tuple[Tensor, Tensor, Tensor] | None = None
+
     def __init__(
         self,
         model: ApproximateGP,
@@ -173,6 +170,12 @@ class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalS
         """Number of data points absorbed since the last :meth:`reset`."""
         return int(self._variational_distribution.num_observed)
 
+    @property
+    def statistics(self) -> KalmanStatistics:
+        r"""The absorbed statistics :math:`\tilde{\boldsymbol\eta}` and :math:`\tilde{\boldsymbol\Lambda} -
+        \mathbf K_{\mathbf{uu}}` (float64, the state's own buffers: read them, do not change them in place)."""
+        return KalmanStatistics(*self._variational_distribution())
+
     def reset(self) -> None:
         """Forgets all data: back to the prior (at the current hyperparameters)."""
         self._variational_distribution.reset()
@@ -191,45 +194,29 @@ class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalS
         :raises ~linear_operator.utils.errors.NotPSDError: If a matrix is not positive definite even with the
             maximum jitter; the state is then unchanged.
         """
-        x, y = self._checked_data(x, y)
-        psi, terms = self._bound_term(x, y, *self._variational_distribution())
-        self._absorb(self._increments(terms, psi), x.size(-2))
+        x, y = self.checked_data(x, y)
+        terms, inducing_covariance = self.observation_terms(x, y)
+        psi = self.bound_term(terms, inducing_covariance, *self.statistics)
+        self.absorb(self.increments(terms, psi), x.size(-2))
         return psi.to(self.inducing_points.dtype)
 
-    def _bound_term(
-        self, x: Tensor, y: Tensor, information_vector: Tensor, information_matrix: Tensor
-    ) -> tuple[Tensor, ObservationTerms]:
-        """:math:`\\psi_k` of a validated mini-batch after the given statistics, and the mini-batch's terms (float64,
-        differentiable in the hyperparameters and in the statistics outside ``torch.no_grad``)."""
-        terms, inducing_covariance = self._observation_terms(x, y)
-        return bound_term(inducing_covariance, information_vector, information_matrix, terms), terms
+    # ------------------------------------------------------------------ the update protocol
+    # update() is these steps in turn; the optimizers of gpytorch_decoupled.optim, the collapsed bound of
+    # gpytorch_decoupled.mlls and the distributed helpers take them apart (gradients, several processes).
+    def checked_data(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        r"""
+        A mini-batch validated before anything is computed from it: ``x`` as ``(..., B, D)`` (padded like the inducing
+        points, see :func:`~gpytorch_decoupled.variational.checked_inputs`) and ``y`` as ``(..., B)``.
 
-    def _collapsed_bound_tail(self, information_vector: Tensor, information_matrix: Tensor) -> Tensor:
-        """The part of the batch bound that is not a sum over mini-batches, given all data's statistics."""
-        return collapsed_bound_tail(self._inducing_prior()[0], information_vector, information_matrix)
-
-    @staticmethod
-    def _increments(terms: ObservationTerms, psi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """A mini-batch's detached increments of the state and its bound term, checked to be finite."""
-        increments = (terms.information_vector.detach(), symmetrized(terms.information_matrix.detach()), psi.detach())
-        if not all(torch.isfinite(increment).all() for increment in increments):
-            raise RuntimeError(
-                "the Kalman update produced NaN or inf (check the kernel hyperparameters and the noise); the state "
-                "was left unchanged."
-            )
-        return increments
-
-    def _absorb(self, increments: tuple[Tensor, Tensor, Tensor], count: int) -> None:
-        self._variational_distribution.absorb(*increments, count)
-        self.variational_params_initialized.fill_(1)
-        self._clear_cache()
-
-    def _checked_data(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        :raises TypeError: If ``x`` or ``y`` is not a tensor.
+        :raises ValueError: On bad shapes (also batch shapes that do not broadcast to the latents'), dtypes, devices,
+            an empty mini-batch or NaN/inf.
+        """
         if not isinstance(x, Tensor) or not isinstance(y, Tensor):
             raise TypeError(f"x and y must be tensors, got {type(x).__name__} and {type(y).__name__}.")
         if x.dim() == 1:
             x = x.unsqueeze(-1)
-        x = checked_inputs(x, self.inducing_points, self.model)
+        x = self.checked_inputs(x)
         if y.dim() == 0 or y.size(-1) != x.size(-2):
             raise ValueError(
                 f"y must have shape (..., {x.size(-2)}) to match x {tuple(x.shape)}, got {tuple(y.shape)}."
@@ -252,10 +239,103 @@ class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalS
             )
         return x, y
 
-    # ------------------------------------------------------------------ prior blocks (float64)
-    def _noise(self) -> Tensor:
+    def observation_terms(self, x: Tensor, y: Tensor) -> tuple[ObservationTerms, Tensor]:
+        r"""
+        A validated mini-batch's likelihood in the transformed coordinates (:class:`ObservationTerms`, whose
+        ``information_vector`` and ``information_matrix`` are its increments of the state) and the jittered float64
+        :math:`\mathbf K_{\mathbf{uu}}`, from one evaluation of the prior at :math:`[\mathbf Z; \mathbf x]`;
+        differentiable in the hyperparameters outside ``torch.no_grad``.
+        """
+        prior = self._joint_prior(x)
+        inducing_covariance = self._jittered(prior.covariance(0, 0).to_dense().double())
+        cross_covariance = prior.covariance(0, 1).to_dense().double()
+        data_block = prior.covariance(1, 1)
+        if self.approximation == "pitc":
+            data_covariance = data_block.to_dense().double()
+        else:
+            data_covariance = data_block.diagonal(dim1=-2, dim2=-1).double()
+        residual = y.double() - prior.mean(1).double()
+        terms = observation_terms(
+            self.approximation,
+            self.alpha,
+            jittered_cholesky(inducing_covariance, name="K_uu"),
+            cross_covariance,
+            data_covariance,
+            residual,
+            self.noise_variance(),
+        )
+        return terms, inducing_covariance
+
+    @staticmethod
+    def bound_term(
+        terms: ObservationTerms, inducing_covariance: Tensor, information_vector: Tensor, information_matrix: Tensor
+    ) -> Tensor:
+        r"""
+        :math:`\psi_k` of a mini-batch (its :meth:`observation_terms`) given the statistics absorbed before it (float64,
+        differentiable in the hyperparameters and in the statistics outside ``torch.no_grad``).
+        """
+        return bound_term(inducing_covariance, information_vector, information_matrix, terms)
+
+    @staticmethod
+    def increments(terms: ObservationTerms, psi: Tensor) -> KalmanIncrements:
+        r"""A mini-batch's detached increments of the state and its bound term :math:`\psi_k`, checked to be finite.
+
+        :raises RuntimeError: If any of them is NaN or inf (the state is then left as it was)."""
+        increments = KalmanIncrements(
+            terms.information_vector.detach(), symmetrized(terms.information_matrix.detach()), psi.detach()
+        )
+        if not all(torch.isfinite(increment).all() for increment in increments):
+            raise RuntimeError(
+                "the Kalman update produced NaN or inf (check the kernel hyperparameters and the noise); the state "
+                "was left unchanged."
+            )
+        return increments
+
+    def absorb(self, increments: KalmanIncrements, count: int) -> None:
+        """Adds a mini-batch's :meth:`increments` (and its number of points) to the state; nothing here can fail
+        half-way."""
+        self._variational_distribution.absorb(*increments, count)
+        self.variational_params_initialized.fill_(1)
+        self._clear_cache()
+
+    def collapsed_bound_tail(self, information_vector: Tensor, information_matrix: Tensor) -> Tensor:
+        r"""The part :math:`F` of the batch bound that is not a sum over mini-batches (:math:`\mathcal L = \sum_k
+        \text{offset}_k + F`), given all data's statistics; differentiable in them and in the hyperparameters."""
+        return collapsed_bound_tail(self._inducing_prior()[0], information_vector, information_matrix)
+
+    def noise_variance(self) -> Tensor:
+        r"""The likelihood's noise :math:`\sigma^2` in float64, one value per latent."""
         return self.likelihood.noise.double()[..., 0]
 
+    def inducing_data_covariance(self, x: Tensor) -> Tensor:
+        r""":math:`\mathbf K_{\mathbf u\mathbf x}` in float64, ``(..., M, B)``, for a validated mini-batch."""
+        return self._joint_prior(x).covariance(0, 1).to_dense().double()
+
+    @staticmethod
+    def of_model(model: ApproximateGP, likelihood: Likelihood, user: str) -> KalmanVariationalStrategy:
+        """
+        The model's :class:`KalmanVariationalStrategy`, checked to be built with ``likelihood`` (whose noise its
+        updates use).
+
+        :param model: The model whose strategy is sought.
+        :param likelihood: The likelihood the caller was given.
+        :param user: The class asking, named in the errors.
+        :raises TypeError: If the model's strategy is not a :class:`KalmanVariationalStrategy`.
+        :raises ValueError: If ``likelihood`` is not the one the strategy was built with.
+        """
+        strategy = getattr(model, "variational_strategy", None)
+        if not isinstance(strategy, KalmanVariationalStrategy):
+            raise TypeError(
+                f"{user} needs a model whose variational_strategy is a KalmanVariationalStrategy, got "
+                f"{type(strategy).__name__}."
+            )
+        if likelihood is not strategy.likelihood:
+            raise ValueError(
+                f"{user}: the likelihood must be the one the model's KalmanVariationalStrategy was built with."
+            )
+        return strategy
+
+    # ------------------------------------------------------------------ prior blocks (float64)
     def _jittered(self, covariance: Tensor) -> Tensor:
         eye = torch.eye(covariance.size(-1), dtype=covariance.dtype, device=covariance.device)
         return covariance + self.jitter_val * eye
@@ -270,14 +350,11 @@ class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalS
                 f"shape {tuple(latent_shape)}; give inducing points the shape (*batch, M, D) of the kernel's batch."
             )
 
-    def _joint_prior(self, x: Tensor, **kwargs) -> tuple[MultivariateNormal, int]:
-        inducing_points = self.inducing_points
-        batch_shape = torch.broadcast_shapes(inducing_points.shape[:-2], x.shape[:-2])
-        inducing_points = inducing_points.expand(*batch_shape, *inducing_points.shape[-2:])
-        x = x.expand(*batch_shape, *x.shape[-2:])
-        joint = self.model.forward(torch.cat([inducing_points, x], dim=-2), **kwargs)
-        self._checked_batch(joint)
-        return joint, inducing_points.size(-2)
+    def _joint_prior(self, x: Tensor, predictive: bool = False, **kwargs) -> JointPrior:
+        """The prior at :math:`[\\mathbf Z; \\mathbf x]`, checked to have the latents' batch shape."""
+        prior = joint_prior(self.model, self.inducing_points, x, **kwargs)
+        self._checked_batch(prior.distribution, predictive)
+        return prior
 
     def _inducing_prior(self) -> tuple[Tensor, Tensor]:
         """Float64 jittered :math:`\\mathbf K_{\\mathbf{uu}}` and prior mean :math:`\\mu_0(\\mathbf Z)`."""
@@ -285,45 +362,21 @@ class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalS
         self._checked_batch(prior)
         return self._jittered(prior.lazy_covariance_matrix.to_dense().double()), prior.mean.double()
 
-    def _observation_terms(self, x: Tensor, y: Tensor) -> tuple[ObservationTerms, Tensor]:
-        """A validated mini-batch's :class:`ObservationTerms` and the jittered float64
-        :math:`\\mathbf K_{\\mathbf{uu}}`, differentiable in the hyperparameters outside ``torch.no_grad``."""
-        joint, num_inducing = self._joint_prior(x)
-        covariance = joint.lazy_covariance_matrix
-        inducing_covariance = self._jittered(covariance[..., :num_inducing, :num_inducing].to_dense().double())
-        cross_covariance = covariance[..., :num_inducing, num_inducing:].to_dense().double()
-        data_block = covariance[..., num_inducing:, num_inducing:]
-        if self.approximation == "pitc":
-            data_covariance = data_block.to_dense().double()
-        else:
-            data_covariance = data_block.diagonal(dim1=-2, dim2=-1).double()
-        residual = y.double() - joint.mean[..., num_inducing:].double()
-        terms = observation_terms(
-            self.approximation,
-            self.alpha,
-            jittered_cholesky(inducing_covariance, name="K_uu"),
-            cross_covariance,
-            data_covariance,
-            residual,
-            self._noise(),
-        )
-        return terms, inducing_covariance
-
     def _posterior_factors(self, inducing_covariance: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         r"""Float64 :math:`\mathbf L_{\mathbf{uu}}`, :math:`\mathbf L_A` (:math:`\mathbf A = \mathbf K_{\mathbf{uu}} +
-        \tilde{\boldsymbol\Lambda}`) and :math:`\mathbf A^{-1}\tilde{\boldsymbol\eta}`; cached in eval mode."""
-        if not self.training and _is_in_cache_ignore_args(self, "kalman_posterior_factors"):
-            factors = _get_from_cache_ignore_args(self, "kalman_posterior_factors")
-            # Inputs with extra batch dimensions give expanded factors: those are not reused for other shapes.
-            if factors[0].shape == inducing_covariance.shape:
-                return factors
-        information_vector, information_matrix = self._variational_distribution()
+        \tilde{\boldsymbol\Lambda}`) and :math:`\mathbf A^{-1}\tilde{\boldsymbol\eta}`; kept in eval mode
+        (``_eval_posterior_factors``)."""
+        factors = self._eval_posterior_factors
+        # Inputs with extra batch dimensions give expanded factors: those are not reused for other shapes.
+        if not self.training and factors is not None and factors[0].shape == inducing_covariance.shape:
+            return factors
+        information_vector, information_matrix = self.statistics
         prior_cholesky = jittered_cholesky(inducing_covariance, name="K_uu")
         cholesky = jittered_cholesky(inducing_covariance + information_matrix, name="Kalman precision K_uu + Lambda")
         coefficients = cholesky_solve(cholesky, information_vector.unsqueeze(-1)).squeeze(-1)
         factors = (prior_cholesky, cholesky, coefficients)
         if not self.training:
-            _add_to_cache_ignore_args(self, "kalman_posterior_factors", factors)
+            self._eval_posterior_factors = factors
         return factors
 
     # ------------------------------------------------------------------ GPyTorch interface
@@ -370,17 +423,14 @@ class KalmanVariationalStrategy(_DirectCallMixin, _CacheSafeMixin, _VariationalS
         diag: bool = True,
         **kwargs,
     ) -> MultivariateNormal:
-        num_inducing = inducing_points.size(-2)
-        joint = self.model.forward(torch.cat([inducing_points, x], dim=-2), **kwargs)
-        self._checked_batch(joint, predictive=True)
-        covariance = joint.lazy_covariance_matrix
-        inducing_covariance = self._jittered(covariance[..., :num_inducing, :num_inducing].to_dense().double())
-        cross_covariance = covariance[..., :num_inducing, num_inducing:].to_dense().double()
-        data_covariance = covariance[..., num_inducing:, num_inducing:]
+        prior = self._joint_prior(x, predictive=True, **kwargs)
+        inducing_covariance = self._jittered(prior.covariance(0, 0).to_dense().double())
+        cross_covariance = prior.covariance(0, 1).to_dense().double()
+        data_covariance = prior.covariance(1, 1)
 
         prior_cholesky, cholesky, coefficients = self._posterior_factors(inducing_covariance)
         dtype = x.dtype
-        mean = joint.mean[..., num_inducing:] + (cross_covariance.mT @ coefficients.unsqueeze(-1)).squeeze(-1).to(dtype)
+        mean = prior.mean(1) + (cross_covariance.mT @ coefficients.unsqueeze(-1)).squeeze(-1).to(dtype)
         # Cov = K_xx - K_xu K_uu^{-1} K_ux + K_xu A^{-1} K_ux = K_xx - P^T P + R^T R
         prior_root = solve_lower(prior_cholesky, cross_covariance)
         posterior_root = solve_lower(cholesky, cross_covariance)

@@ -3,10 +3,11 @@ from __future__ import annotations
 from gpytorch import variational
 from torch import Tensor
 
-from ._cache_safe_mixin import _CacheSafeMixin
+from ..gpytorch_compat import cache_safe
 
 
-class LMCVariationalStrategy(_CacheSafeMixin, variational.LMCVariationalStrategy):
+@cache_safe
+class LMCVariationalStrategy(variational.LMCVariationalStrategy):
     r"""
     Linear model of coregionalization wrapper whose KL is the base strategy's own KL, summed over latents.
 

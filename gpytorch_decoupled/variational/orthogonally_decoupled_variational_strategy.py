@@ -117,7 +117,7 @@ class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy)
         """
         gamma = self.mean_inducing_points
         chol = self._beta_cholesky()
-        beta_gamma = self._cross_covariance(self.inducing_points, gamma)
+        beta_gamma = self.mean_basis.cross_covariance(self.inducing_points, gamma).to_dense()
         projected = chol.solve(beta_gamma.type(chol.dtype)).type(beta_gamma.dtype)
         prior_variances = self.model.forward(gamma).lazy_covariance_matrix.diagonal(dim1=-2, dim2=-1)
         return prior_variances - projected.pow(2).sum(-2)

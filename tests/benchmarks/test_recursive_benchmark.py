@@ -32,7 +32,7 @@ from benchmarks.recursive_benchmark import (
     epochs_to_reach,
     regression_metrics,
 )
-from gpytorch_decoupled.optim import StreamingCollapsedBound
+from gpytorch_decoupled.mlls import StreamingCollapsedBound
 from tests.oracles import recursive_sparse_predictive
 from tests.recursive_problems import dense_blocks, oracle_bound
 

@@ -21,9 +21,9 @@ from gpytorch_decoupled.distributed import (
     ShardedBatches,
     all_reduce_local_elbos,
 )
-from gpytorch_decoupled.mlls import DualVariationalELBO
+from gpytorch_decoupled.mlls import DualVariationalELBO, StreamingCollapsedBound
 from gpytorch_decoupled.models import KernelSelectionGP
-from gpytorch_decoupled.optim import DualEStep, OrthogonalMeanNaturalGradient, StreamingCollapsedBound
+from gpytorch_decoupled.optim import DualEStep, OrthogonalMeanNaturalGradient
 from gpytorch_decoupled.variational import (
     DecoupledVariationalDistribution,
     DecoupledVariationalStrategy,
@@ -110,7 +110,7 @@ def train_odvgp(distributed: bool) -> dict:
     likelihood = gaussian_likelihood()
     strategy = model.variational_strategy
     ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=60, lr=0.2)
-    mean_step = OrthogonalMeanNaturalGradient(strategy, num_data=60, lr=0.01)
+    mean_step = OrthogonalMeanNaturalGradient(model, num_data=60, lr=0.01)
     rest = [p for p in (*model.hyperparameters(), *likelihood.parameters()) if p is not strategy.mean_coefficients]
     return _elbo_training(model, likelihood, [ngd, mean_step, torch.optim.Adam(rest, lr=0.05)], distributed)
 

@@ -181,6 +181,23 @@ class TestOnlineBasisGrowth(unittest.TestCase):
         growth.step(self.x[100:200], self.y[100:200])  # only the first mini-batch initializes
         torch.testing.assert_close(model.covar_module.base_kernel.lengthscale.squeeze(0), lengthscale_after_first)
 
+    def test_step_returns_what_it_added_and_state_dict_resumes_the_row_choice(self):
+        runs = []
+        for resume in (False, True):
+            model = decoupled_model(self.x[:1], self.x[:1])
+            growth = OnlineBasisGrowth(model, 40, 10, 6, generator=torch.Generator().manual_seed(0))
+            added = growth.step(self.x[:50], self.y[:50])
+            self.assertEqual((added.mean_points, added.inducing_points), (6, 6))
+            if resume:  # a fresh object with another generator and no median trick pending takes over
+                state = growth.state_dict()
+                self.assertFalse(state["initialize"])
+                growth = OnlineBasisGrowth(model, 40, 10, 6, generator=torch.Generator().manual_seed(99))
+                growth.load_state_dict(state)
+                self.assertFalse(growth.initialize)
+            growth.step(self.x[50:100], self.y[50:100])
+            runs.append(model.variational_strategy.mean_inducing_points.detach().clone())
+        self.assertTrue(torch.equal(runs[0], runs[1]))
+
     def test_refuses_strategies_that_cannot_grow(self):
         class SVGP(gpytorch.models.ApproximateGP):
             def __init__(self):

@@ -68,9 +68,8 @@ def _stability_limit(beta, gamma, X) -> tuple[float, float]:
 
 def _run_orthnat_diagonal(lr: float, iterations: int, stop_gap: float | None = None) -> tuple[list[float], float]:
     model, likelihood, beta, gamma, X, y = _problem()
-    strategy = model.variational_strategy
     ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=60, lr=1.0)
-    mean_step = OrthogonalMeanNaturalGradient(strategy, num_data=60, lr=lr, jitter=EPSILON)
+    mean_step = OrthogonalMeanNaturalGradient(model, num_data=60, lr=lr, jitter=EPSILON)
     elbo_star = _optimal_elbo(beta, gamma, X, y).item()
     history = []
     for _ in range(iterations):
@@ -98,7 +97,7 @@ def test_one_step_is_the_diagonal_rule() -> None:
     with torch.no_grad():
         strategy.mean_coefficients.copy_(randn(10, gen=generator(1)))
     lr = 0.01
-    mean_step = OrthogonalMeanNaturalGradient(strategy, num_data=60, lr=lr, jitter=1e-3)
+    mean_step = OrthogonalMeanNaturalGradient(model, num_data=60, lr=lr, jitter=1e-3)
     (-full_batch_elbo(model, likelihood, X, y) / 60).backward()
     before, grad = strategy.mean_coefficients.detach().clone(), strategy.mean_coefficients.grad.clone()
     mean_step.step()
@@ -129,12 +128,48 @@ def test_refuses_other_strategies_and_bad_settings() -> None:
     beta = torch.zeros(3, 2, dtype=F64)
     q_u = gpytorch.variational.CholeskyVariationalDistribution(3)
     svgp = gpytorch.variational.VariationalStrategy(gpytorch.models.ApproximateGP(None), beta, q_u)
-    for wrong in (svgp, model):
+    svgp_model = gpytorch.models.ApproximateGP(svgp)
+    for wrong in (svgp, svgp_model, [model.variational_strategy.mean_coefficients]):
         with pytest.raises(TypeError, match="OrthogonallyDecoupledVariationalStrategy"):
             OrthogonalMeanNaturalGradient(wrong, num_data=60)
     for kwargs in ({"lr": 0.0}, {"lr": -1.0}, {"num_data": 0}, {"jitter": 0.0}):
         with pytest.raises(ValueError, match="positive"):
-            OrthogonalMeanNaturalGradient(model.variational_strategy, **{"num_data": 60, **kwargs})
+            OrthogonalMeanNaturalGradient(model, **{"num_data": 60, **kwargs})
+
+
+def test_the_strategy_form_is_deprecated_and_steps_the_same() -> None:
+    model, likelihood, _, _, X, y = _problem()
+    strategy = model.variational_strategy
+    with torch.no_grad():
+        strategy.mean_coefficients.copy_(randn(10, gen=generator(3)))
+    (-full_batch_elbo(model, likelihood, X, y) / 60).backward()
+    before = strategy.mean_coefficients.detach().clone()
+    with pytest.warns(DeprecationWarning, match="pass the model"):
+        old_form = OrthogonalMeanNaturalGradient(strategy, num_data=60, lr=0.01)
+    old_form.step()
+    after_old_form = strategy.mean_coefficients.detach().clone()
+    with torch.no_grad():
+        strategy.mean_coefficients.copy_(before)
+    OrthogonalMeanNaturalGradient(model, num_data=60, lr=0.01).step()
+    assert not torch.equal(after_old_form, before)
+    assert torch.equal(strategy.mean_coefficients.detach(), after_old_form)
+
+
+def test_a_closure_is_evaluated_and_its_loss_returned() -> None:
+    model, likelihood, _, _, X, y = _problem()
+    mean_step = OrthogonalMeanNaturalGradient(model, num_data=60, lr=0.01)
+
+    def closure():
+        mean_step.zero_grad()
+        loss = -full_batch_elbo(model, likelihood, X, y) / 60
+        loss.backward()
+        return loss
+
+    before = model.variational_strategy.mean_coefficients.detach().clone()
+    loss = mean_step.step(closure)
+    assert torch.is_tensor(loss) and loss.requires_grad
+    assert not torch.equal(model.variational_strategy.mean_coefficients.detach(), before)
+    assert mean_step.step() is None
 
 
 def test_non_finite_update_leaves_the_coefficients_unchanged() -> None:
@@ -143,7 +178,7 @@ def test_non_finite_update_leaves_the_coefficients_unchanged() -> None:
     with torch.no_grad():
         strategy.mean_coefficients.copy_(randn(10, gen=generator(2)))
     before = strategy.mean_coefficients.detach().clone()
-    mean_step = OrthogonalMeanNaturalGradient(strategy, num_data=60, lr=0.01)
+    mean_step = OrthogonalMeanNaturalGradient(model, num_data=60, lr=0.01)
     # No gradient yet: nothing to do.
     mean_step.step()
     assert torch.equal(strategy.mean_coefficients.detach(), before)

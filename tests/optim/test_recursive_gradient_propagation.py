@@ -12,6 +12,7 @@ The structured propagation gives the dense one's gradients and Jacobians to <= 5
 
 from __future__ import annotations
 
+import copy
 import unittest.mock
 
 import gpytorch
@@ -47,7 +48,7 @@ def _epoch_at_zero_learning_rate(model, likelihood, X, y, blocks, _srgp=None, **
     totals = [torch.zeros_like(parameter) for parameter in parameters]
     psi = 0.0
     for block in blocks:
-        psi += srgp.step(X[block], y[..., block])
+        psi += float(srgp.step(X[block], y[..., block]))  # the step returns a 0-dim tensor
         for total, parameter in zip(totals, parameters, strict=True):
             total -= parameter.grad
     return totals, psi, srgp
@@ -134,8 +135,9 @@ def test_s8_and_the_cheaper_variants():
     strategy.reset()
     direct = [torch.zeros_like(parameter) for parameter in parameters]
     for block in blocks:
-        statistics = [statistic.clone() for statistic in strategy._variational_distribution()]
-        psi, _ = strategy._bound_term(X[block], y[block], *statistics)
+        statistics = [statistic.clone() for statistic in strategy.statistics]
+        terms, inducing_covariance = strategy.observation_terms(X[block], y[block])
+        psi = strategy.bound_term(terms, inducing_covariance, *statistics)
         for total, gradient in zip(direct, torch.autograd.grad(psi, parameters), strict=True):
             total += gradient
         strategy.update(X[block], y[block])
@@ -271,6 +273,52 @@ def test_steps_update_the_parameters_and_the_epoch_bound():
     assert abs(float(strategy.recursive_bound) - sum(psis)) < 1e-12
     srgp.start_epoch()
     assert strategy.num_observed == 0 and not srgp.information_jacobians()[1].any()
+
+
+def test_state_dict_resumes_an_epoch_exactly():
+    # One run straight through four mini-batches; another saved after two (model, likelihood, Adam, SRGP) and resumed
+    # into fresh objects: the same hyperparameters, statistics and Jacobians at the end.
+    def run(steps, state=None):
+        model, likelihood, X, y, blocks = _spec_problem("vfe")
+        optimizer = torch.optim.Adam(_parameters(model, likelihood), lr=0.01)
+        srgp = RecursiveGradientPropagation(model, likelihood, optimizer)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            likelihood.load_state_dict(state["likelihood"])
+            optimizer.load_state_dict(state["optimizer"])
+            srgp.load_state_dict(state["srgp"])
+        psis = [srgp.step(X[block], y[block]) for block in steps(blocks)]
+        saved = {
+            "model": model.state_dict(),
+            "likelihood": likelihood.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "srgp": srgp.state_dict(),
+        }
+        return copy.deepcopy(saved), psis, srgp
+
+    straight, straight_psis, straight_srgp = run(lambda blocks: blocks[:4])
+    halfway, _, _ = run(lambda blocks: blocks[:2])
+    resumed, resumed_psis, resumed_srgp = run(lambda blocks: blocks[2:4], state=halfway)
+    assert all(torch.is_tensor(psi) and psi.dim() == 0 for psi in straight_psis)
+    torch.testing.assert_close(torch.stack(resumed_psis), torch.stack(straight_psis[2:]), rtol=1e-12, atol=1e-12)
+    for name, value in straight["model"].items():
+        torch.testing.assert_close(resumed["model"][name], value, rtol=1e-12, atol=1e-12, msg=name)
+    for actual, expected in zip(
+        resumed_srgp.information_jacobians(), straight_srgp.information_jacobians(), strict=True
+    ):
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+    # Jacobians of another shape are refused, and nothing changes.
+    model, likelihood, *_ = _other_size_problem()
+    other = RecursiveGradientPropagation(model, likelihood, torch.optim.Adam(_parameters(model, likelihood)))
+    with pytest.raises(ValueError, match="Jacobians"):
+        other.load_state_dict(halfway["srgp"])
+    assert other.jacobian_bytes == 0
+
+
+def _other_size_problem():
+    X, y, Z = problem(dims=2, num_inducing=6)
+    model, likelihood = make_model(Z, "vfe", None, constant_mean=True)
+    return model, likelihood, X, y
 
 
 def test_errors_and_failed_steps():

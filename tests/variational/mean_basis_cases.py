@@ -141,10 +141,14 @@ def assert_same_process(first, second, tol: float = 1e-10) -> None:
 
 
 def cache_snapshot(model) -> dict:
-    """The memoized values of every module of ``model``, by module name."""
-    return {
-        name: dict(module._memoize_cache) for name, module in model.named_modules() if hasattr(module, "_memoize_cache")
-    }
+    """The memoized values of every module of ``model`` and the values a strategy keeps between computations (its
+    ``_step_attributes``), by module name."""
+    snapshot = {}
+    for name, module in model.named_modules():
+        kept = {attribute: getattr(module, attribute) for attribute in getattr(module, "_step_attributes", ())}
+        if hasattr(module, "_memoize_cache") or kept:
+            snapshot[name] = {**getattr(module, "_memoize_cache", {}), **kept}
+    return snapshot
 
 
 def assert_same_caches(model, snapshot: dict) -> None:

@@ -11,8 +11,8 @@ import gpytorch
 import pytest
 import torch
 
+from gpytorch_decoupled.gpytorch_compat import cache_safe
 from gpytorch_decoupled.variational import FastNaturalVariationalDistribution
-from gpytorch_decoupled.variational._cache_safe_mixin import _CacheSafeMixin
 from tests.strategy_contract_test_case import StrategyContractTestCase
 
 
@@ -54,8 +54,9 @@ class TestGPyTorchVariationalStrategyPredictiveContract(TestGPyTorchVariationalS
         return gpytorch.mlls.PredictiveLogLikelihood
 
 
-class _CacheSafeVariationalStrategy(_CacheSafeMixin, gpytorch.variational.VariationalStrategy):
-    pass
+@cache_safe
+class _CacheSafeVariationalStrategy(gpytorch.variational.VariationalStrategy):
+    """GPyTorch's strategy with the package's cache safety (as its strategies and wrappers have it)."""
 
 
 class TestCacheSafeVariationalStrategyContract(TestGPyTorchVariationalStrategyContract):

@@ -47,7 +47,7 @@ class TestHybridContract(DecoupledStrategyContractTestCase, unittest.TestCase):
         with (
             unittest.mock.patch("torch.linalg.cholesky_ex", wraps=torch.linalg.cholesky_ex) as cholesky,
             unittest.mock.patch.object(
-                strategy, "_cache_residual_coordinates", wraps=strategy._cache_residual_coordinates
+                strategy, "_set_residual_coordinates", wraps=strategy._set_residual_coordinates
             ) as residual,
         ):
             second = self._predict(model, test_x)

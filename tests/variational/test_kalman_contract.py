@@ -235,7 +235,7 @@ def test_eval_caches_follow_updates_resets_and_loads():
     model, _, X, y, blocks = _half_streamed()
     strategy = model.variational_strategy
     first = _predict(model)
-    assert kalman_module._is_in_cache_ignore_args(strategy, "kalman_posterior_factors")
+    assert strategy._eval_posterior_factors is not None
     with unittest.mock.patch.object(kalman_module, "jittered_cholesky", wraps=kalman_module.jittered_cholesky) as chol:
         assert all(torch.equal(a, b) for a, b in zip(_predict(model), first, strict=True))
         assert chol.call_count == 0  # the cached factors were reused
@@ -293,7 +293,8 @@ def test_training_mode_returns_marginals_with_gradients():
 
 @pytest.mark.cuda
 def test_cuda_matches_cpu():
-    from gpytorch_decoupled.optim import RecursiveGradientPropagation, StreamingCollapsedBound
+    from gpytorch_decoupled.mlls import StreamingCollapsedBound
+    from gpytorch_decoupled.optim import RecursiveGradientPropagation
 
     X, y, Z = problem()
     blocks = blocks_of(60, 12)
@@ -314,3 +315,32 @@ def test_cuda_matches_cpu():
         results[device] = [value.cpu() for value in (psi, mean, covariance, loss, step_psi, gradient)]
     for cpu, cuda in zip(results["cpu"], results["cuda"], strict=True):
         torch.testing.assert_close(cuda, cpu, rtol=1e-9, atol=1e-10)
+
+
+def test_the_public_update_protocol_composes_to_update():
+    # update() is checked_data, observation_terms, bound_term, increments and absorb in turn: the protocol the
+    # optimizers, the streaming bound and the distributed update use.
+    model, likelihood, X, y, blocks = _half_streamed("pep", 0.5)
+    twin = copy.deepcopy(model)
+    strategy, twin_strategy = model.variational_strategy, twin.variational_strategy
+    batch = blocks[3]
+    psi = strategy.update(X[batch], y[batch])
+    x, y_batch = twin_strategy.checked_data(X[batch], y[batch])
+    terms, inducing_covariance = twin_strategy.observation_terms(x, y_batch)
+    with torch.no_grad():
+        twin_psi = twin_strategy.bound_term(terms, inducing_covariance, *twin_strategy.statistics)
+    increments = twin_strategy.increments(terms, twin_psi)
+    torch.testing.assert_close(increments.information_matrix, increments.information_matrix.mT, rtol=0, atol=0)
+    twin_strategy.absorb(increments, x.size(-2))
+    assert torch.equal(twin_psi, psi)
+    _assert_same_state(twin, _snapshot(model))
+    assert twin_strategy.num_observed == strategy.num_observed == 48
+
+
+def test_of_model_finds_the_strategy_and_checks_the_likelihood():
+    model, likelihood, *_ = _half_streamed()
+    assert KalmanVariationalStrategy.of_model(model, likelihood, "Caller") is model.variational_strategy
+    with pytest.raises(ValueError, match="Caller: the likelihood must be the one"):
+        KalmanVariationalStrategy.of_model(model, gpytorch.likelihoods.GaussianLikelihood(), "Caller")
+    with pytest.raises(TypeError, match="Caller needs a model whose variational_strategy is a KalmanVariational"):
+        KalmanVariationalStrategy.of_model(torch.nn.Module(), likelihood, "Caller")

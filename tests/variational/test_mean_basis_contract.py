@@ -99,3 +99,60 @@ def test_bad_inputs_raise_and_change_nothing(kind: str, distribution_cls, strate
     for name, value in model.state_dict().items():
         assert torch.equal(value, state[name]), name
     assert_same_process(eval_process(model, X[:5]), reference, tol=0.0)
+
+
+# Keys of the strategies' state before the mean basis became a component (checkpoints of release 0.1.0).
+OLD_STRATEGY_KEYS = {
+    "decoupled": {
+        "_variational_distribution.mean_coefficients",
+        "_variational_distribution.precision_factor",
+        "inducing_points",
+        "mean_inducing_points",
+        "variational_params_initialized",
+    },
+    "hybrid": {
+        "_variational_distribution.chol_variational_covar",
+        "_variational_distribution.variational_mean",
+        "inducing_points",
+        "mean_coefficients",
+        "mean_inducing_points",
+        "updated_strategy",
+        "variational_params_initialized",
+    },
+}
+OLD_STRATEGY_KEYS["orthogonal"] = OLD_STRATEGY_KEYS["hybrid"]
+
+
+def _old_format(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict as release 0.1.0 saved it: the mean basis's tensors directly on the strategy, and GPyTorch's
+    whitening flag on the hybrid and orthogonal strategies."""
+    renamed = {
+        name.replace("mean_basis.inducing_points", "mean_inducing_points").replace(
+            "mean_basis.coefficients", "mean_coefficients"
+        ): value
+        for name, value in state.items()
+    }
+    if "variational_strategy.mean_coefficients" in renamed:
+        renamed["variational_strategy.updated_strategy"] = torch.tensor(True)
+    return renamed
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_state_dict_of_the_previous_release_loads(kind: str) -> None:
+    beta, gamma, X, _ = regression_problem(13)
+    model = MeanBasisGP(kind, beta, gamma, constant_mean=0.25)
+    gen = generator(101)
+    if kind == "decoupled":
+        set_decoupled_state(model, randn(10, gen=gen), random_factor(6, gen, scale=0.7))
+    else:
+        set_residual_state(model, randn(10, gen=gen), randn(6, gen=gen), random_spd(6, gen))
+    expected = eval_process(model, X[:7])
+    old = _old_format(model.state_dict())
+    strategy_keys = {name.removeprefix("variational_strategy.") for name in old if "variational_strategy." in name}
+    assert strategy_keys == OLD_STRATEGY_KEYS[kind]
+
+    fresh = MeanBasisGP(kind, beta + 0.5, gamma - 0.5, constant_mean=0.0)
+    fresh.load_state_dict(old)  # strict: every old key is placed, none is missing
+    assert_same_process(eval_process(fresh, X[:7]), expected, tol=0.0)
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name

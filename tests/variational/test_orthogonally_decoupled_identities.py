@@ -468,8 +468,9 @@ def test_softmax_classification_with_three_latents_trains() -> None:
 # ------------------------------------------------------------------------------------- one prior per training step
 @pytest.mark.parametrize("num_kl_columns", [None, 4])
 def test_training_forward_from_one_prior_equals_the_generic_path(num_kl_columns: int | None) -> None:
-    # The training forward takes K_beta, K_beta,x and K_xx from the mean basis's joint prior; the generic path (three
-    # model.forward calls and GPyTorch's VariationalStrategy.forward) must give the same marginals, KL and gradients.
+    # The training forward takes K_beta, K_beta,x and K_xx from the mean basis's joint prior (one model.forward per
+    # step); the generic path (three model.forward calls: the mean basis, K_beta and the SVGP block's [beta; x], as
+    # GPyTorch's VariationalStrategy.forward) must give the same marginals, KL and gradients.
     beta, gamma, X, y = regression_problem(21)
     outputs = []
     for generic in (False, True):
@@ -478,13 +479,13 @@ def test_training_forward_from_one_prior_equals_the_generic_path(num_kl_columns:
         likelihood = gaussian_likelihood()
         strategy = model.variational_strategy
         torch.manual_seed(23)  # the same sampled KL rows in both runs
-        if generic:  # no joint prior handed back: the strategy takes GPyTorch's generic route
-            fused = strategy._fused_mean_basis_values
-            strategy._fused_mean_basis_values = lambda *args, f=fused, **kwargs: (*f(*args, **kwargs)[:2], None)
+        if generic:  # no joint prior handed back: the strategy takes the generic route
+            fused = strategy.mean_basis.fused_values
+            strategy.mean_basis.fused_values = lambda *args, f=fused, **kwargs: f(*args, **kwargs)._replace(prior=None)
         model.train()
-        with unittest.mock.patch.object(strategy, "_training_forward", wraps=strategy._training_forward) as spy:
+        with unittest.mock.patch.object(model, "forward", wraps=model.forward) as spy:
             output = model(X)
-        assert spy.call_count == (0 if generic else 1)
+        assert spy.call_count == (3 if generic else 1)
         elbo = likelihood.expected_log_prob(y, output).sum() - strategy.kl_divergence()
         parameters = [p for p in model.parameters() if p.requires_grad]
         outputs.append((output.mean, output.variance, elbo, torch.autograd.grad(elbo, parameters)))

@@ -15,6 +15,17 @@ def checked_inputs(x: Tensor, inducing_points: Tensor, model: torch.nn.Module) -
     :param model: The model whose kernels may declare ``basis_parameter_dims``.
     :return: :attr:`x`, padded where needed.
     :raises ValueError: On a width, dtype or device mismatch, or NaN/inf in :attr:`x`.
+
+    Example:
+        >>> import torch
+        >>> from gpytorch_decoupled.variational import checked_inputs
+        >>> z = torch.zeros(4, 2)
+        >>> checked_inputs(torch.ones(3, 2), z, torch.nn.Module()).shape
+        torch.Size([3, 2])
+        >>> checked_inputs(torch.ones(3, 1), z, torch.nn.Module())
+        Traceback (most recent call last):
+        ...
+        ValueError: inputs have 1 dimensions but the inducing points have 2.
     """
     width = inducing_points.size(-1)
     extra = width - x.size(-1)

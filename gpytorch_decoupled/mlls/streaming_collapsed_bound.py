@@ -8,9 +8,19 @@ from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.models import ApproximateGP
 from torch import Tensor
 
-from ._kalman_model import kalman_strategy
+from ..variational import KalmanVariationalStrategy
 
+#: Mini-batches ``(x, y)`` of a whole data set: a re-iterable collection or a function returning a fresh iterable.
 Batches = Iterable[tuple[Tensor, Tensor]] | Callable[[], Iterable[tuple[Tensor, Tensor]]]
+
+
+class CollapsedBoundStatistics(NamedTuple):
+    r"""What the first pass of :class:`StreamingCollapsedBound` accumulates over mini-batches (float64, no graph)."""
+
+    vector: Tensor  # eta~, (..., M)
+    matrix: Tensor  # Lambda~ - K_uu, (..., M, M)
+    offsets: Tensor  # sum_k c_k, (...)
+    count: int  # points seen
 
 
 class StreamingCollapsedBound:
@@ -59,7 +69,7 @@ class StreamingCollapsedBound:
 
     Example:
         >>> import gpytorch, torch
-        >>> from gpytorch_decoupled.optim import StreamingCollapsedBound
+        >>> from gpytorch_decoupled.mlls import StreamingCollapsedBound
         >>> from gpytorch_decoupled.variational import KalmanVariationalStrategy
         >>> class RecursiveGP(gpytorch.models.ApproximateGP):
         ...     def __init__(self, inducing_points, likelihood):
@@ -85,7 +95,7 @@ class StreamingCollapsedBound:
     """
 
     def __init__(self, model: ApproximateGP, likelihood: GaussianLikelihood):
-        self.strategy = kalman_strategy(model, likelihood, type(self).__name__)
+        self.strategy = KalmanVariationalStrategy.of_model(model, likelihood, type(self).__name__)
         self.bound: Tensor | None = None
 
     @staticmethod
@@ -115,7 +125,7 @@ class StreamingCollapsedBound:
         self._second_pass(batches, statistics, vector_adjoint, matrix_adjoint)
         return self._loss(statistics.offsets, tail)
 
-    def _first_pass(self, batches: Batches) -> _Statistics:
+    def _first_pass(self, batches: Batches) -> CollapsedBoundStatistics:
         r"""Pass 1: :math:`\tilde{\boldsymbol\eta}`, :math:`\tilde{\boldsymbol\Lambda}`, :math:`\sum_k c_k` and the
         number of points, without a graph."""
         strategy = self.strategy
@@ -123,8 +133,8 @@ class StreamingCollapsedBound:
         count = 0
         with torch.no_grad():
             for x, y in self._iterate(batches):
-                x, y = strategy._checked_data(x, y)
-                terms, _ = strategy._observation_terms(x, y)
+                x, y = strategy.checked_data(x, y)
+                terms, _ = strategy.observation_terms(x, y)
                 increments = (terms.information_vector, terms.information_matrix, terms.offset)
                 if vector is None:
                     vector, matrix, offsets = increments
@@ -135,9 +145,9 @@ class StreamingCollapsedBound:
                 count += x.size(-2)
         if vector is None:
             raise ValueError("no mini-batches were given.")
-        return _Statistics(vector, matrix, offsets, count)
+        return CollapsedBoundStatistics(vector, matrix, offsets, count)
 
-    def _tail(self, statistics: _Statistics, parameters: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    def _tail(self, statistics: CollapsedBoundStatistics, parameters: bool = True) -> tuple[Tensor, Tensor, Tensor]:
         r"""
         :math:`F` at the statistics, back-propagated: returns the adjoints :math:`\bar{\boldsymbol\eta}`,
         :math:`\bar{\boldsymbol\Lambda}` and :math:`F` (detached), and accumulates :math:`-\partial F/\partial\theta`
@@ -146,12 +156,12 @@ class StreamingCollapsedBound:
         vector = statistics.vector.detach().requires_grad_(True)
         matrix = statistics.matrix.detach().requires_grad_(True)
         with torch.enable_grad():
-            tail = self.strategy._collapsed_bound_tail(vector, matrix)
+            tail = self.strategy.collapsed_bound_tail(vector, matrix)
             tail.sum().neg().backward(inputs=None if parameters else [vector, matrix])
         return vector.grad.neg(), matrix.grad.neg(), tail.detach()
 
     def _second_pass(
-        self, batches: Batches, statistics: _Statistics, vector_adjoint: Tensor, matrix_adjoint: Tensor
+        self, batches: Batches, statistics: CollapsedBoundStatistics, vector_adjoint: Tensor, matrix_adjoint: Tensor
     ) -> None:
         r"""Pass 2: back-propagates every mini-batch's :math:`c_k + \langle\bar{\boldsymbol\eta},
         \Delta\tilde{\boldsymbol\eta}_k\rangle + \langle\bar{\boldsymbol\Lambda}, \Delta\tilde{\boldsymbol
@@ -159,9 +169,9 @@ class StreamingCollapsedBound:
         strategy = self.strategy
         seen, repeated_offsets = 0, torch.zeros_like(statistics.offsets)
         for x, y in self._iterate(batches):
-            x, y = strategy._checked_data(x, y)
+            x, y = strategy.checked_data(x, y)
             with torch.enable_grad():
-                terms, _ = strategy._observation_terms(x, y)
+                terms, _ = strategy.observation_terms(x, y)
                 contribution = (
                     terms.offset
                     + (vector_adjoint * terms.information_vector).sum(-1)
@@ -183,12 +193,3 @@ class StreamingCollapsedBound:
         dtype = self.strategy.inducing_points.dtype
         self.bound = bound.to(dtype)
         return bound.sum().neg().to(dtype)
-
-
-class _Statistics(NamedTuple):
-    r"""What pass 1 accumulates (float64, no graph)."""
-
-    vector: Tensor  # eta~, (..., M)
-    matrix: Tensor  # Lambda~ - K_uu, (..., M, M)
-    offsets: Tensor  # sum_k c_k, (...)
-    count: int  # points seen

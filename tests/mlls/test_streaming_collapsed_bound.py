@@ -13,7 +13,7 @@ import gpytorch
 import pytest
 import torch
 
-from gpytorch_decoupled.optim import StreamingCollapsedBound
+from gpytorch_decoupled.mlls import StreamingCollapsedBound
 from tests.recursive_problems import F64, MODELS, blocks_of, make_model, oracle_bound, problem, stream
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -113,3 +113,13 @@ def test_lbfgs_closure_improves_the_bound():
         final = float(-oracle_bound(model, likelihood, X, y))
     assert final < initial - 5.0
     assert objective.bound.dtype == F64
+
+
+def test_the_old_location_in_optim_still_works_with_a_deprecation_warning():
+    import gpytorch_decoupled.optim
+
+    with pytest.warns(DeprecationWarning, match="moved to gpytorch_decoupled.mlls.StreamingCollapsedBound"):
+        old = gpytorch_decoupled.optim.StreamingCollapsedBound
+    assert old is StreamingCollapsedBound
+    with pytest.raises(AttributeError):
+        _ = gpytorch_decoupled.optim.NoSuchStep

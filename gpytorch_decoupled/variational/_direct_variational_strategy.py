@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.models import ApproximateGP
+from gpytorch.module import Module
+from torch import Tensor
+
+from ..gpytorch_compat import VariationalDistributionBase, VariationalStrategyBase, cache_safe
+from .checked_inputs import checked_inputs
+
+
+@cache_safe
+class _DirectVariationalStrategy(VariationalStrategyBase):
+    r"""
+    The base of the strategies whose state needs no initialization from the prior and is not a Gaussian over the
+    inducing values (decoupled parameters, dual sites, a Kalman state), so that GPyTorch's ``__call__`` (which
+    initializes the distribution on the first call and passes its mean and covariance on) does not apply.
+
+    ``__call__`` validates the inputs before anything is computed, returns the prior for ``prior=True``, clears the
+    training caches, records the first call as GPyTorch's strategies do (without resetting state set or loaded before
+    it, and without reading the flag back from the device), broadcasts the inputs against the inducing points and calls
+    ``forward(x, inducing_points, diag=..., **kwargs)``.
+
+    Values that one computation leaves for another (a factor the forward pass and the KL of a training step share, or
+    that eval-mode predictions reuse) are explicit attributes, named in ``_step_attributes`` and documented by each
+    subclass: None until computed, and forgotten with GPyTorch's memoized caches
+    (:func:`~gpytorch_decoupled.gpytorch_compat.cache_safe`).
+    """
+
+    _step_attributes: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        model: ApproximateGP,
+        inducing_points: Tensor,
+        variational_distribution: VariationalDistributionBase,
+        learn_inducing_locations: bool = True,
+        jitter_val: float | None = None,
+    ):
+        super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
+
+    def checked_inputs(self, x: Tensor) -> Tensor:
+        """``x`` validated against the inducing points (see :func:`~gpytorch_decoupled.variational.checked_inputs`)."""
+        return checked_inputs(x, self.inducing_points, self.model)
+
+    def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
+        x = self.checked_inputs(x)
+        if prior:
+            return self.model.forward(x, **kwargs)
+        if self.training:
+            self._clear_cache()
+        self.variational_params_initialized.fill_(1)
+        inducing_points = self.inducing_points
+        if inducing_points.shape[:-2] != x.shape[:-2]:
+            x, inducing_points = self._expand_inputs(x, inducing_points)
+        return Module.__call__(self, x, inducing_points, diag=diag, **kwargs)
