@@ -1,14 +1,19 @@
 # Two commands do everything on a fresh machine:
 #   make demo   -- create .venv, install torch + the package, run the demo on the embedded data set
 #   make test   -- same set-up, then lint, the whole test suite and the notebooks in smoke mode
+# Tests that need a data set the package does not embed skip where it is absent (pytest.mark.data); .ci/run also runs
+# `make suite-without-data`, the suite with every data directory hidden, as a fresh clone without data sees it.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?=
 BIN := $(VENV)/bin
+PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+NO_DATA_DIR := $(abspath $(VENV))/no-data
 STAMP := $(VENV)/.installed-$(subst =,_,$(subst /,_,$(TORCH_SPEC)))
 
-.PHONY: install demo test lint format bench docs notebooks clean
+.PHONY: install demo test suite smoke-notebooks suite-without-data lint format bench notebooks docs clean
 
 install: $(STAMP)
 
@@ -27,10 +32,19 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+test: lint suite smoke-notebooks
+
+suite: install
+	$(PYTEST) --doctest-modules gpytorch_decoupled benchmarks tests
+
 # Notebooks run top to bottom in their fast smoke mode (the CI environment variable).
-test: lint
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --doctest-modules gpytorch_decoupled benchmarks tests
-	CI=$${CI:-true} $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --nbmake notebooks
+smoke-notebooks: install
+	CI=$${CI:-true} $(PYTEST) --nbmake notebooks
+
+# The data directories (an empty one instead of $$GPYTORCH_DECOUPLED_DATA, no ../shared/data fallback) hidden.
+suite-without-data: install
+	mkdir -p $(NO_DATA_DIR)
+	GPYTORCH_DECOUPLED_DATA=$(NO_DATA_DIR) GPYTORCH_DECOUPLED_SHARED_FALLBACK=0 $(MAKE) suite
 
 format: install
 	$(BIN)/ruff check --fix .

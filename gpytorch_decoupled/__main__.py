@@ -17,7 +17,7 @@ def _list_datasets(args: argparse.Namespace) -> None:
         for source in datasets.sources(name):
             entry = datasets.info(name, source=source)
             try:
-                datasets.load(name, split=0, data_dir=args.data_dir, source=source)
+                datasets.locate(name, source=source, data_dir=args.data_dir)
                 present = "yes"
             except FileNotFoundError:
                 present = "no"

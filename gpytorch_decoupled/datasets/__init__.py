@@ -6,8 +6,19 @@ Example:
     >>> train_x, train_y, test_x, test_y = datasets.load("elevators", split=0)
 """
 
-from .loader import DATA_ENV_VAR, data_dirs, load
+from .loader import DATA_ENV_VAR, SHARED_FALLBACK_ENV_VAR, data_dirs, load, locate
 from .registry import DatasetInfo, available, info, sources
 from .split import Split
 
-__all__ = ["DATA_ENV_VAR", "DatasetInfo", "Split", "available", "data_dirs", "info", "load", "sources"]
+__all__ = [
+    "DATA_ENV_VAR",
+    "SHARED_FALLBACK_ENV_VAR",
+    "DatasetInfo",
+    "Split",
+    "available",
+    "data_dirs",
+    "info",
+    "load",
+    "locate",
+    "sources",
+]

@@ -7,22 +7,33 @@ import numpy as np
 import torch
 
 from .readers import READERS
-from .registry import DatasetInfo, info
+from .registry import info
 from .split import Split
 
 DATA_ENV_VAR = "GPYTORCH_DECOUPLED_DATA"
+SHARED_FALLBACK_ENV_VAR = "GPYTORCH_DECOUPLED_SHARED_FALLBACK"
 EMBEDDED_DATA_DIR = Path(__file__).resolve().parent / "data"
+_FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def _env_flag(name: str) -> bool:
+    """An on/off environment variable: unset, empty or anything but 0/false/no/off means on."""
+    return os.environ.get(name, "").strip().lower() not in _FALSE_WORDS
 
 
 def data_dirs(data_dir: str | os.PathLike | None = None) -> list[Path]:
     """
     The directories searched for data sets, in order (the package's embedded copies are tried after these).
 
-    An explicit ``data_dir`` is searched alone; otherwise the :envvar:`GPYTORCH_DECOUPLED_DATA` environment variable,
-    when set, is searched alone; otherwise ``../shared/data`` relative to the working directory and the ``shared/data``
-    folder next to the repository checkout this package was imported from.
+    An explicit ``data_dir`` is searched alone; otherwise the directories named by the :envvar:`GPYTORCH_DECOUPLED_DATA`
+    environment variable (several separated by ``os.pathsep``), when it is set, are searched alone; otherwise
+    ``../shared/data`` relative to the working directory and the ``shared/data`` folder next to the repository
+    checkout this package was imported from. Setting :envvar:`GPYTORCH_DECOUPLED_SHARED_FALLBACK` to ``0`` turns
+    that last fallback off (the test suite uses it to run as on a machine without any data).
 
-    :param data_dir: (Default: None) A directory laid out like the project's ``shared/data`` folder.
+    :param data_dir: (Default: None) A directory laid out like the project's ``shared/data`` folder:
+        ``<dir>/<name>/<source>/...`` for the UCI sets, ``<dir>/<name>/...`` for the others
+        (see :attr:`DatasetInfo.file`).
 
     Example:
         >>> from gpytorch_decoupled import datasets
@@ -32,23 +43,42 @@ def data_dirs(data_dir: str | os.PathLike | None = None) -> list[Path]:
     if data_dir is not None:
         return [Path(data_dir)]
     if os.environ.get(DATA_ENV_VAR):
-        return [Path(os.environ[DATA_ENV_VAR])]
+        return [Path(path) for path in os.environ[DATA_ENV_VAR].split(os.pathsep) if path]
+    if not _env_flag(SHARED_FALLBACK_ENV_VAR):
+        return []
     candidates = [Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[2].parent / "shared" / "data"]
     return list(dict.fromkeys(candidate.resolve() for candidate in candidates))
 
 
-def _locate(entry: DatasetInfo, data_dir: str | os.PathLike | None) -> Path:
+def locate(name: str, source: str | None = None, data_dir: str | os.PathLike | None = None) -> Path:
+    """
+    The path of a data set's main file (:attr:`DatasetInfo.file`), found as :func:`load` finds it, without reading
+    it. Use it to check whether a set is present, or to read its raw files.
+
+    :param name: Data set name or alias (see :func:`available`).
+    :param source: (Default: None) Which copy; ``None`` picks the default.
+    :param data_dir: (Default: None) Directory laid out like the project's ``shared/data`` folder.
+    :raises ValueError: If the name or source is unknown.
+    :raises FileNotFoundError: If the set is in none of the searched directories; the message lists them and says
+        how to get the data.
+
+    Example:
+        >>> from gpytorch_decoupled import datasets
+        >>> datasets.locate("elevators").name  # embedded: always found
+        'data.csv.gz'
+    """
+    entry = info(name, source)
     candidates = [directory / entry.file for directory in data_dirs(data_dir)]
     if entry.embedded:
         candidates.append(EMBEDDED_DATA_DIR / entry.name / Path(entry.file).name)
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
-    looked_in = "\n".join(f"  {candidate.parent}" for candidate in candidates)
+    looked_in = ", ".join(str(candidate.parent) for candidate in candidates) or "none configured"
     raise FileNotFoundError(
-        f"Data set {entry.name!r} (source {entry.source!r}) not found: no {Path(entry.file).name} in\n{looked_in}\n"
-        f"Point to a data directory that holds {entry.file} (a copy of the project's shared/data folder) with "
-        f"load(..., data_dir=...) or the {DATA_ENV_VAR} environment variable."
+        f"Data set {entry.name!r} (source {entry.source!r}) not found: {entry.file} is in none of the searched "
+        f"directories ({looked_in}). Put the set's files there, as <data directory>/{Path(entry.file).parent}/, "
+        f"and name the data directory with load(..., data_dir=...) or the {DATA_ENV_VAR} environment variable."
     )
 
 
@@ -96,18 +126,18 @@ def load(
     Example:
         >>> import torch
         >>> from gpytorch_decoupled import datasets
-        >>> train_x, train_y, test_x, test_y = datasets.load("kin40k", split=0, dtype=torch.float64)
-        >>> train_x.shape, test_y.shape
-        (torch.Size([36000, 8]), torch.Size([4000]))
-        >>> data = datasets.load("protein", split=2)  # the published split 2 of Hernandez-Lobato & Adams
-        >>> mean_in_ppm = datasets.load("co2").unstandardize_y(torch.zeros(3))
+        >>> train_x, train_y, test_x, test_y = datasets.load("elevators", split=3, dtype=torch.float64)
+        >>> train_x.shape[1], len(train_x) + len(test_x)
+        (18, 16599)
+        >>> data = datasets.load("protein", split=2)  # doctest: +SKIP
+        >>> mean_in_ppm = datasets.load("co2").unstandardize_y(torch.zeros(3))  # doctest: +SKIP
     """
     entry = info(name, source)
     if not 0 <= split < entry.num_splits:
         raise ValueError(
             f"split must be in 0..{entry.num_splits - 1} for {entry.name!r} (source {entry.source!r}), got {split}."
         )
-    x, y, train, test = READERS[entry.source](_locate(entry, data_dir), split, entry.num_splits)
+    x, y, train, test = READERS[entry.source](locate(entry.name, entry.source, data_dir), split, entry.num_splits)
     x_mean, x_std = _train_statistics(x[train])
     if entry.task == "regression":
         y_mean, y_std = _train_statistics(y[train])

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,10 +11,8 @@ import torch
 
 from gpytorch_decoupled import datasets
 
+# Where the project keeps its data beside a checkout; found by default unless the test run hides it.
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-needs_shared_data = pytest.mark.skipif(
-    not SHARED_DATA.is_dir(), reason=f"the shared benchmark data folder {SHARED_DATA} is absent"
-)
 
 # (name, source) -> (N, D) as stated in each folder's README.txt of the shared data
 EXPECTED_SIZES = {
@@ -100,12 +99,13 @@ class TestRegistry:
             datasets.load("co2", split=1)
 
 
-@needs_shared_data
 class TestSharedData:
-    @pytest.mark.parametrize("name,source", list(EXPECTED_SIZES))
+    @pytest.mark.parametrize(
+        "name,source", [pytest.param(*key, marks=pytest.mark.data(key[0], source=key[1])) for key in EXPECTED_SIZES]
+    )
     def test_row_counts_and_shapes(self, name, source):
         n, d = EXPECTED_SIZES[name, source]
-        split = datasets.load(name, data_dir=SHARED_DATA, source=source)
+        split = datasets.load(name, source=source)
         train_x, train_y, test_x, test_y = split
         assert len(train_x) + len(test_x) == n
         assert train_x.shape[1:] == test_x.shape[1:] == (d,)
@@ -116,9 +116,11 @@ class TestSharedData:
         assert (split.name, split.source, split.split) == (name, source, 0)
         _assert_finite(split)
 
-    @pytest.mark.parametrize("name", GAL_SETS)
+    @pytest.mark.parametrize(
+        "name", [pytest.param(name, marks=pytest.mark.data(name, source="gal")) for name in GAL_SETS]
+    )
     def test_gal_splits_follow_index_files(self, name):
-        folder = SHARED_DATA / name / "gal"
+        folder = datasets.locate(name, "gal").parent
         num_splits = int((folder / "n_splits.txt").read_text())
         assert datasets.info(name).num_splits == num_splits
         raw = np.loadtxt(folder / "data.txt")
@@ -127,32 +129,36 @@ class TestSharedData:
         for k in (0, num_splits - 1):
             train_idx = np.loadtxt(folder / f"index_train_{k}.txt", dtype=int)
             test_idx = np.loadtxt(folder / f"index_test_{k}.txt", dtype=int)
-            split = datasets.load(name, split=k, data_dir=SHARED_DATA, dtype=torch.float64)
+            split = datasets.load(name, split=k, dtype=torch.float64)
             assert (len(split.train_x), len(split.test_x)) == (len(train_idx), len(test_idx))
             restored_x = split.test_x * split.x_std + split.x_mean
             np.testing.assert_allclose(restored_x.numpy(), raw[test_idx][:, features], rtol=1e-12, atol=1e-9)
             restored_y = split.unstandardize_y(split.train_y)
             np.testing.assert_allclose(restored_y.numpy(), raw[train_idx, target], rtol=1e-12, atol=1e-9)
 
+    @pytest.mark.data("protein")
     def test_protein_gal_split_sizes(self):
         for k in range(5):
-            split = datasets.load("protein", split=k, data_dir=SHARED_DATA)
+            split = datasets.load("protein", split=k)
             assert (len(split.train_x), len(split.test_x)) == (41157, 4573)
 
+    @pytest.mark.data("kin40k")
     def test_evans_splits_follow_test_mask(self):
-        with gzip.open(SHARED_DATA / "kin40k" / "evans" / "test_mask.csv.gz") as file:
+        with gzip.open(datasets.locate("kin40k").parent / "test_mask.csv.gz") as file:
             mask = np.loadtxt(file, delimiter=",", dtype=int)
         test_means = set()
         for k in range(10):
-            split = datasets.load("kin40k", split=k, data_dir=SHARED_DATA)
+            split = datasets.load("kin40k", split=k)
             assert len(split.test_x) == mask[:, k].sum()
             assert 0.09 * 40000 <= len(split.test_x) <= 0.11 * 40000
             test_means.add(split.test_y.mean().item())
         assert len(test_means) == 10
 
-    @pytest.mark.parametrize("name", ["kin40k", "naval", "kuka", "co2"])
+    @pytest.mark.parametrize(
+        "name", [pytest.param(name, marks=pytest.mark.data(name)) for name in ("kin40k", "naval", "kuka", "co2")]
+    )
     def test_standardized_with_train_statistics(self, name):
-        split = datasets.load(name, data_dir=SHARED_DATA, dtype=torch.float64)
+        split = datasets.load(name, dtype=torch.float64)
         x_constant = split.train_x.std(0) == 0
         torch.testing.assert_close(split.train_x.mean(0), torch.zeros_like(split.x_mean), atol=1e-10, rtol=0)
         torch.testing.assert_close(
@@ -163,19 +169,20 @@ class TestSharedData:
         assert split.test_x.mean(0).abs().max() > 1e-3
         assert split.test_y.mean(0).abs().max() > 1e-3
 
+    @pytest.mark.data("naval")
     def test_constant_columns_get_unit_scale(self):
-        split = datasets.load("naval", data_dir=SHARED_DATA, dtype=torch.float64)
+        split = datasets.load("naval", dtype=torch.float64)
         constant = (split.train_x == split.train_x[0]).all(0)
         assert constant.any()
         assert (split.x_std[constant] == 1).all()
         _assert_finite(split)
 
-    @pytest.mark.parametrize("name", ["sonar", "ionosphere", "pima"])
+    @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.data(name)) for name in CLASS_COUNTS])
     def test_classification_folds_partition_the_data(self, name):
         negatives, positives = CLASS_COUNTS[name]
         test_rows, test_positives = [], 0
         for k in range(5):
-            split = datasets.load(name, split=k, data_dir=SHARED_DATA, dtype=torch.float64)
+            split = datasets.load(name, split=k, dtype=torch.float64)
             assert split.task == "classification"
             for labels in (split.train_y, split.test_y):
                 assert set(labels.unique().tolist()) <= {0.0, 1.0}
@@ -186,13 +193,14 @@ class TestSharedData:
         sizes = [len(rows) for rows in test_rows]
         assert sum(sizes) == negatives + positives and max(sizes) - min(sizes) <= 1
         assert test_positives == positives
-        raw = np.loadtxt(SHARED_DATA / datasets.info(name).file, delimiter=",", skiprows=int(name == "pima"))
+        raw = np.loadtxt(datasets.locate(name), delimiter=",", skiprows=int(name == "pima"))
         # rounding away the standardization round-off makes the row sort below stable between the two copies
         folds, raw = np.concatenate(test_rows).round(9), raw[:, :-1].round(9)
         np.testing.assert_array_equal(folds[np.lexsort(folds.T)], raw[np.lexsort(raw.T)])
 
+    @pytest.mark.data("co2")
     def test_co2_split_is_chronological(self):
-        split = datasets.load("mauna_loa_co2", data_dir=SHARED_DATA, dtype=torch.float64)
+        split = datasets.load("mauna_loa_co2", dtype=torch.float64)
         assert split.train_x.shape == (629, 1) and split.test_x.shape == (158, 1)
         train_dates = split.train_x * split.x_std + split.x_mean
         test_dates = split.test_x * split.x_std + split.x_mean
@@ -201,10 +209,11 @@ class TestSharedData:
         ppm = split.unstandardize_y(split.test_y)
         assert 300 < ppm.min() and ppm.max() < 450
 
+    @pytest.mark.data("kuka")
     def test_kuka_holds_out_one_trajectory(self):
-        mat = scipy.io.loadmat(SHARED_DATA / "kuka_lwr_forward_dynamics" / "KukaDirectDynamics.mat")
+        mat = scipy.io.loadmat(datasets.locate("kuka"))
         for k in (0, 7, 9):
-            split = datasets.load("kuka", split=k, data_dir=SHARED_DATA, dtype=torch.float64)
+            split = datasets.load("kuka", split=k, dtype=torch.float64)
             assert len(split.test_x) == KUKA_TRAJECTORY_LENGTHS[k]
             assert len(split.train_x) == 20068 - KUKA_TRAJECTORY_LENGTHS[k]
             trajectory = mat[f"kukatraj{k + 1}"]
@@ -214,19 +223,25 @@ class TestSharedData:
             np.testing.assert_allclose(mean.numpy(), trajectory[:, 21:], atol=1e-9)
             torch.testing.assert_close(var, split.y_std.square().expand_as(var))
 
+    @pytest.mark.data("yacht")
     def test_dtype_and_device(self):
-        split = datasets.load("yacht", data_dir=SHARED_DATA, dtype=torch.float32, device="cpu")
+        split = datasets.load("yacht", dtype=torch.float32, device="cpu")
         for tensor in (*split, split.x_mean, split.x_std, split.y_mean, split.y_std):
             assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
 
     @pytest.mark.cuda
+    @pytest.mark.data("yacht")
     def test_cuda(self):
-        split = datasets.load("yacht", data_dir=SHARED_DATA, device="cuda")
+        split = datasets.load("yacht", device="cuda")
         assert all(tensor.is_cuda for tensor in (*split, split.x_mean, split.y_std))
 
     def test_embedded_elevators_matches_shared_copy(self, tmp_path):
+        entry = datasets.info("elevators")
+        copies = [directory for directory in datasets.data_dirs() if (directory / entry.file).is_file()]
+        if not copies:
+            pytest.skip(f"no copy of {entry.file} in the data directories {datasets.data_dirs()} to compare with")
         embedded = datasets.load("elevators", split=4, data_dir=tmp_path, dtype=torch.float64)
-        shared = datasets.load("elevators", split=4, data_dir=SHARED_DATA, dtype=torch.float64)
+        shared = datasets.load("elevators", split=4, data_dir=copies[0], dtype=torch.float64)
         for a, b in zip(embedded, shared):
             assert torch.equal(a, b)
 
@@ -258,8 +273,27 @@ class TestDataDirectories:
 
     def test_default_dirs(self, tmp_path, monkeypatch):
         monkeypatch.delenv(datasets.DATA_ENV_VAR, raising=False)
+        monkeypatch.delenv(datasets.SHARED_FALLBACK_ENV_VAR, raising=False)
         monkeypatch.chdir(tmp_path)
         searched = datasets.data_dirs()
         assert (tmp_path.parent / "shared" / "data").resolve() in searched
         assert SHARED_DATA.resolve() in searched
         assert datasets.data_dirs(tmp_path) == [tmp_path]
+
+    @pytest.mark.parametrize("value", ["0", "false", "No", " off "])
+    def test_shared_fallback_can_be_disabled(self, tmp_path, monkeypatch, value):
+        monkeypatch.delenv(datasets.DATA_ENV_VAR, raising=False)
+        monkeypatch.setenv(datasets.SHARED_FALLBACK_ENV_VAR, value)
+        assert datasets.data_dirs() == []
+        with pytest.raises(FileNotFoundError, match="none configured"):
+            datasets.locate("kin40k")
+        assert datasets.locate("elevators").is_relative_to(Path(datasets.__file__).parent)
+        assert datasets.data_dirs(tmp_path) == [tmp_path]  # an explicit directory is still searched
+
+    def test_env_var_holds_several_dirs(self, tmp_path, monkeypatch):
+        first, second = tmp_path / "a", tmp_path / "b"
+        (second / "pima").mkdir(parents=True)
+        (second / "pima" / "tsvgp_diabetes.csv").write_text("1,2\n")
+        monkeypatch.setenv(datasets.DATA_ENV_VAR, f"{first}{os.pathsep}{second}")
+        assert datasets.data_dirs() == [first, second]
+        assert datasets.locate("pima") == (second / "pima" / "tsvgp_diabetes.csv").resolve()

@@ -159,11 +159,9 @@ def _em_schedule(model, likelihood, objective, e_step, X, y, iterations: int = 8
         return X.size(0) * objective(model(X), y).item()
 
 
+@pytest.mark.data("housing")
 def test_housing_reaches_an_rmse_bound_and_at_least_the_q_svgp_elbo() -> None:
-    try:
-        train_x, train_y, test_x, test_y = datasets.load("housing", split=0, dtype=F64)
-    except FileNotFoundError as error:  # the shared data folder is not part of the package
-        pytest.skip(str(error))
+    train_x, train_y, test_x, test_y = datasets.load("housing", split=0, dtype=F64)
     n = train_x.size(0)
     Z = train_x[torch.randperm(n, generator=generator(6))[:30]]
 
