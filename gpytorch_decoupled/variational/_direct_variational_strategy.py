@@ -19,7 +19,9 @@ class _DirectVariationalStrategy(VariationalStrategyBase):
     ``__call__`` validates the inputs before anything is computed, returns the prior for ``prior=True``, clears the
     training caches, records the first call as GPyTorch's strategies do (without resetting state set or loaded before
     it, and without reading the flag back from the device), broadcasts the inputs against the inducing points and calls
-    ``forward(x, inducing_points, diag=..., **kwargs)``.
+    ``forward(x, inducing_points, diag=..., **kwargs)``. GPyTorch's ``forward`` also takes ``inducing_values`` and
+    ``variational_inducing_covar``, the moments of a Gaussian :math:`q(\mathbf u)`, which these strategies do not
+    have: theirs hands the inputs to the subclass's ``_predictive_distribution(x, inducing_points, diag, **kwargs)``.
 
     Values that one computation leaves for another (a factor the forward pass and the KL of a training step share, or
     that eval-mode predictions reuse) are explicit attributes, named in ``_step_attributes`` and documented by each
@@ -38,6 +40,22 @@ class _DirectVariationalStrategy(VariationalStrategyBase):
         jitter_val: float | None = None,
     ):
         super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
+
+    def forward(
+        self,
+        x: Tensor,
+        inducing_points: Tensor,
+        inducing_values: Tensor | None = None,
+        variational_inducing_covar=None,
+        diag: bool = True,
+        **kwargs,
+    ) -> MultivariateNormal:
+        return self._predictive_distribution(x, inducing_points, diag, **kwargs)
+
+    def _predictive_distribution(self, x: Tensor, inducing_points: Tensor, diag: bool, **kwargs) -> MultivariateNormal:
+        r""":math:`q(f(\mathbf x))` at inputs broadcast against the inducing points (marginal variances only in
+        training mode with ``diag``); ``kwargs`` go to the model's prior."""
+        raise NotImplementedError
 
     def checked_inputs(self, x: Tensor) -> Tensor:
         """``x`` validated against the inducing points (see :func:`~gpytorch_decoupled.variational.checked_inputs`)."""

@@ -234,15 +234,9 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
         self._clear_cache()
 
     # ------------------------------------------------------------------ GPyTorch interface
-    def forward(
-        self,
-        x: Tensor,
-        inducing_points: Tensor,
-        inducing_values: Tensor | None = None,
-        variational_inducing_covar=None,
-        diag: bool = True,
-        **kwargs,
-    ) -> MultivariateNormal:
+    def _predictive_distribution(self, x: Tensor, inducing_points: Tensor, diag: bool, **kwargs) -> MultivariateNormal:
+        r""":math:`q(f(\mathbf x))` of the S-form above, from one evaluation of the prior at :math:`[\beta; \mathbf x]`
+        and the mean basis at :math:`\mathbf x` (fused with this step's sampled KL rows in training)."""
         prior = joint_prior(self.model, inducing_points, x, **kwargs)
         beta_covariance = prior.covariance(0, 0).to_dense()
         beta_data = prior.covariance(0, 1).to_dense()

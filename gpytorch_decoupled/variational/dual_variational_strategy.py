@@ -299,15 +299,8 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
         whitened_cross = solve_lower(factors.prior_cholesky, cross)
         return factors, prior_mean, data_covariance, whitened_cross, solve_lower(factors.inner_cholesky, whitened_cross)
 
-    def forward(
-        self,
-        x: Tensor,
-        inducing_points: Tensor,
-        inducing_values: Tensor | None = None,
-        variational_inducing_covar=None,
-        diag: bool = True,
-        **kwargs,
-    ) -> MultivariateNormal:
+    def _predictive_distribution(self, x: Tensor, inducing_points: Tensor, diag: bool, **kwargs) -> MultivariateNormal:
+        r""":math:`q(f(\mathbf x))` of eq. 49, from the whitened factors of :math:`q` (:meth:`_marginals`)."""
         factors, prior_mean, data_covariance, whitened_cross, reduced_cross = self._marginals(x, **kwargs)
         mean = prior_mean + (whitened_cross * factors.whitened_mean.unsqueeze(-1)).sum(-2)
         if diag and self.training:

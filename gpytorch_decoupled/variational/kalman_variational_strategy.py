@@ -414,15 +414,9 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         kl = 0.5 * (trace - coefficients.size(-1) + quadratic + log_det_ratio)
         return kl.to(self.inducing_points.dtype)
 
-    def forward(
-        self,
-        x: Tensor,
-        inducing_points: Tensor,
-        inducing_values: Tensor | None = None,
-        variational_inducing_covar=None,
-        diag: bool = True,
-        **kwargs,
-    ) -> MultivariateNormal:
+    def _predictive_distribution(self, x: Tensor, inducing_points: Tensor, diag: bool, **kwargs) -> MultivariateNormal:
+        r""":math:`q(\mathbf f_*)` above, from one evaluation of the prior at :math:`[\mathbf Z; \mathbf x]` and the
+        factors of the state (float64, cast to the inputs' dtype)."""
         prior = self._joint_prior(x, predictive=True, **kwargs)
         inducing_covariance = self._jittered(prior.covariance(0, 0).to_dense().double())
         cross_covariance = prior.covariance(0, 1).to_dense().double()
