@@ -4,6 +4,8 @@ fused kernel-vector products, the column-sampled quadratic form and the KL diver
 
 from .cholesky import jittered_cholesky, reset_jitter_warnings
 from .kernel_matvec import kernel_matvec
+from .kernel_quadratic_form import kernel_quadratic_form
+from .settings import kernel_keep_size, kernel_tile_size
 from .quadratic_form import column_sampled_quadratic_form
 from .triangular import cholesky_logdet, cholesky_solve, solve_lower, solve_lower_transpose, symmetrized
 from .whitened_kl import whitened_kl
@@ -13,7 +15,10 @@ __all__ = [
     "cholesky_solve",
     "column_sampled_quadratic_form",
     "jittered_cholesky",
+    "kernel_keep_size",
     "kernel_matvec",
+    "kernel_quadratic_form",
+    "kernel_tile_size",
     "reset_jitter_warnings",
     "solve_lower",
     "solve_lower_transpose",

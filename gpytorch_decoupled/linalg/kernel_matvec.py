@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import LinearOperator
@@ -15,17 +18,21 @@ def kernel_matvec(
     vector: Tensor,  # shape: (*batch, m)
 ) -> Tensor:  # shape: (*batch, n)
     r"""
-    :math:`\mathbf K\mathbf a` for a kernel block :math:`\mathbf K`, fused when GPyTorch has not evaluated it yet.
+    :math:`\mathbf K\mathbf a` for a kernel block :math:`\mathbf K`, fused and tiled when GPyTorch has not evaluated
+    it yet.
 
     The mean basis of every decoupled strategy costs one product :math:`\mathbf K_{\mathbf x\gamma}\mathbf a_\gamma`
     per step, with :math:`M_\gamma` columns, and autograd through a GPyTorch kernel makes it the dominant cost: every
-    intermediate of the kernel (distances, clamping, scaling, the exponential, the outer product
-    :math:`\mathbf g\mathbf a^\top` of the backward pass) is an :math:`n \times M_\gamma` pass. When ``covariance`` is
-    GPyTorch's lazy kernel block (what ``model.forward(x).lazy_covariance_matrix`` returns, sliced) of an
+    intermediate of the kernel (distances, scaling, the exponential, the outer product :math:`\mathbf g\mathbf a^\top`
+    of the backward pass) is an :math:`n \times M_\gamma` array in memory, and at large :math:`M_\gamma` the step runs
+    at the speed of memory, not of arithmetic. When ``covariance`` is GPyTorch's lazy kernel block (what
+    ``kernel(x1, x2)`` or ``model.forward(x).lazy_covariance_matrix`` returns, sliced) of an
     :class:`~gpytorch.kernels.RBFKernel` or a :class:`~gpytorch.kernels.MaternKernel` with :math:`\nu \in
     \{3/2, 5/2\}`, optionally inside a :class:`~gpytorch.kernels.ScaleKernel`, with any length-scale shape and batch
-    shape, the product is computed by one matrix product of augmented inputs, the kernel's profile and one
-    matrix-vector product. Its backward pass uses the identity
+    shape, the block is never held whole: it is swept in tiles of
+    :class:`~gpytorch_decoupled.linalg.settings.kernel_tile_size` entries, each one computed from a matrix product of
+    augmented inputs, passed through the kernel's profile and multiplied by its slice of :math:`\mathbf a` in place,
+    while it is in cache. The backward pass evaluates the tiles again and reduces them with the identity
 
     .. math::
 
@@ -33,9 +40,10 @@ def kernel_matvec(
         \big(\operatorname{diag}(\mathbf F'\mathbf a)\mathbf X - \mathbf F'\operatorname{diag}(\mathbf a)\mathbf Z
         \big)
 
-    (and its transpose for :math:`\mathbf Z`), so that it costs two thin matrix products and no :math:`n \times
-    M_\gamma` gradient matrix. Values and gradients equal the dense product's to rounding. Every other block
-    (other kernels, sums and products of kernels, already evaluated tensors, GPyTorch's
+    (and its transpose for :math:`\mathbf Z`), so that it needs two thin products per tile and no :math:`n \times
+    M_\gamma` gradient matrix; gradients reach the inputs, the coefficients, the length-scales and the output scale.
+    Memory is :math:`O((n + M_\gamma) d)` plus one tile. Values and gradients equal the dense product's to rounding.
+    Every other block (other kernels, sums and products of kernels, already evaluated tensors, GPyTorch's
     ``lazily_evaluate_kernels(False)``) goes through ``covariance.to_dense() @ vector``. The block's inputs are the
     ones the kernel's ``forward`` would receive (``active_dims`` already applied), so the fused product follows
     GPyTorch's semantics exactly.
@@ -60,8 +68,18 @@ def kernel_matvec(
     return (covariance @ vector.unsqueeze(-1)).squeeze(-1)
 
 
-def _fused_kernel_matvec(covariance: Tensor | LinearOperator, vector: Tensor) -> Tensor | None:
-    """The fused product, or None when ``covariance`` is not a lazy block of a supported kernel."""
+class FusedBlock(NamedTuple):
+    """What the fused kernel products need of a lazy kernel block: its inputs, hyperparameters and profile."""
+
+    x1: Tensor
+    x2: Tensor
+    lengthscale: Tensor
+    outputscale: Tensor | None
+    profile: str
+
+
+def fused_block(covariance: Tensor | LinearOperator) -> FusedBlock | None:
+    """The fused form of ``covariance``, or None when it is not a lazy block of a supported kernel."""
     if not isinstance(covariance, LazyEvaluatedKernelTensor) or covariance.last_dim_is_batch or covariance.params:
         return None
     kernel, outputscale = covariance.kernel, None
@@ -70,9 +88,18 @@ def _fused_kernel_matvec(covariance: Tensor | LinearOperator, vector: Tensor) ->
     profile = _profile(kernel)
     if profile is None:
         return None
-    return _SquaredDistanceKernelMatvec.apply(
-        covariance.x1, covariance.x2, vector, kernel.lengthscale, outputscale, profile
-    )
+    return FusedBlock(covariance.x1, covariance.x2, kernel.lengthscale, outputscale, profile)
+
+
+def _fused_kernel_matvec(covariance: Tensor | LinearOperator, vector: Tensor) -> Tensor | None:
+    """The fused product, or None when ``covariance`` is not a lazy block of a supported kernel."""
+    block = fused_block(covariance)
+    if block is None:
+        return None
+    x1, x2, lengthscale, outputscale, profile = block
+    arguments = (x1, x2, vector, lengthscale, outputscale)
+    recording = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments)
+    return _SquaredDistanceKernelMatvec.apply(*arguments, profile, recording)
 
 
 def _profile(kernel: Kernel) -> str | None:

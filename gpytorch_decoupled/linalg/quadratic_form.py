@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-from .kernel_matvec import kernel_matvec
+from .kernel_matvec import fused_block
+from .kernel_quadratic_form import blocked_bilinear_form, kernel_quadratic_form
 
 
 def column_sampled_quadratic_form(
@@ -111,7 +111,7 @@ def column_sampled_quadratic_form(
         u = (m_gamma / indices.numel()) * v_gamma.index_select(-1, indices)
         if beta is not None:
             rows, u = _cat(rows, beta, -2), _cat(u, v_beta, -1)
-    return _blocked_bilinear_form(kernel, rows, u, columns, v, block_size)
+    return _bilinear_form(kernel, rows, u, columns, v, block_size)
 
 
 def _check_basis(x: Tensor, v: Tensor, name: str) -> None:
@@ -140,7 +140,7 @@ def _cat(a: Tensor, b: Tensor, dim: int) -> Tensor:
     return torch.cat([a.expand(*batch, *a.shape[dim:]), b.expand(*batch, *b.shape[dim:])], dim)
 
 
-def _blocked_bilinear_form(
+def _bilinear_form(
     kernel: Callable[[Tensor, Tensor], Tensor],
     rows: Tensor,  # shape: (*batch, R, D)
     u: Tensor,  # shape: (*batch, R)
@@ -148,22 +148,9 @@ def _blocked_bilinear_form(
     v: Tensor,  # shape: (*batch, C)
     block_size: int,
 ) -> Tensor:  # shape: (*batch)
-    num_rows = rows.shape[-2]
-    use_checkpoint = torch.is_grad_enabled() and num_rows > block_size
-    total = None
-    # At least one (possibly empty) block, so that the result has its batch shape even without rows.
-    for start in range(0, max(num_rows, 1), block_size):
-        block = (kernel, rows[..., start : start + block_size, :], u[..., start : start + block_size], columns, v)
-        term = checkpoint(_block_term, *block, use_reentrant=False) if use_checkpoint else _block_term(*block)
-        total = term if total is None else total + term
-    return total
-
-
-def _block_term(
-    kernel: Callable[[Tensor, Tensor], Tensor],
-    rows: Tensor,
-    u: Tensor,
-    columns: Tensor,
-    v: Tensor,
-) -> Tensor:
-    return (u * kernel_matvec(kernel(rows, columns), v)).sum(-1)
+    # A block of no rows tells whether the kernel has a fused path; only then is the whole (lazy) block requested,
+    # since a kernel that evaluates eagerly would allocate all of it.
+    if fused_block(kernel(rows[..., :0, :], columns)) is not None:
+        quadratic = rows is columns and u is v
+        return kernel_quadratic_form(kernel(rows, columns), u, None if quadratic else v)
+    return blocked_bilinear_form(lambda start, end: kernel(rows[..., start:end, :], columns), u, v, block_size)

@@ -215,7 +215,8 @@ class TestMemory(unittest.TestCase):
         requested = []
 
         def linear_kernel(x1: Tensor, x2: Tensor) -> Tensor:
-            requested.append((x1.shape[-2], x2.shape[-2]))
+            if x1.shape[-2] > 0:  # a block of no rows (the probe for a fused path) evaluates nothing
+                requested.append((x1.shape[-2], x2.shape[-2]))
             return x1 @ x2.mT
 
         with torch.no_grad():

@@ -4,7 +4,7 @@ Every method of ``gpytorch_decoupled`` is tested against these. They are written
 float64 linear algebra, independently of GPyTorch's variational code and marginal log likelihoods, take dense kernel
 matrices (so any kernel can be used), add no jitter unless an argument asks for it, and refuse float32 input.
 
-Modules: :mod:`.kernels` (dense SE-ARD), :mod:`.gaussian` (KL, log density, expected log-likelihood),
+Modules: :mod:`.kernels` (dense SE-ARD and Matérn), :mod:`.gaussian` (KL, log density, expected log-likelihood),
 :mod:`.exact_gp` (exact posterior and log marginal likelihood), :mod:`.sparse_gp` (Titsias optimum, collapsed bound,
 SVGP ELBO / predictive, whitening), :mod:`.process_kl` (KL between GPs on a finite grid), :mod:`.orthogonal`
 (orthogonally decoupled VGP: predictive, KL, ELBO, closed-form optimum and its value), :mod:`.decoupled` (Decoupled /
@@ -26,7 +26,7 @@ from .decoupled import (
 from .exact_gp import exact_log_marginal_likelihood, exact_posterior
 from .gaussian import expected_gaussian_loglik, gaussian_kl, gaussian_logpdf
 from .hybrid import hybrid_elbo, hybrid_kl, hybrid_optimum, hybrid_predictive, hybrid_to_odvgp, odvgp_to_hybrid
-from .kernels import rbf
+from .kernels import matern, rbf
 from .orthogonal import (
     odvgp_conditional_optimum,
     odvgp_elbo,
@@ -74,6 +74,7 @@ __all__ = [
     "hybrid_predictive",
     "hybrid_to_odvgp",
     "kalman_filter",
+    "matern",
     "odvgp_conditional_optimum",
     "odvgp_elbo",
     "odvgp_kl",
