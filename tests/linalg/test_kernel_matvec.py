@@ -178,7 +178,7 @@ class TestTiledKernelMatvec(unittest.TestCase):
         kernel = randomize(kernel).double()
         x1, x2, a = _tiled_inputs(300, 2000)
         block_entries = BATCH.numel() * 300 * 2000
-        with kernel_tile_size(2**14):
+        with kernel_tile_size(2**14), kernel_keep_size(0):
             with largest_tensor() as tiled:
                 values = kernel_matvec(kernel(x1, x2), a)
                 torch.autograd.grad(values.sum(), [x1, x2, a, *kernel.parameters()])
