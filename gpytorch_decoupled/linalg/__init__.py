@@ -5,8 +5,8 @@ fused kernel-vector products, the column-sampled quadratic form and the KL diver
 from .cholesky import jittered_cholesky, reset_jitter_warnings
 from .kernel_matvec import kernel_matvec
 from .kernel_quadratic_form import kernel_quadratic_form
-from .settings import kernel_keep_size, kernel_tile_size
 from .quadratic_form import column_sampled_quadratic_form
+from .settings import kernel_keep_size, kernel_tile_size
 from .triangular import cholesky_logdet, cholesky_solve, solve_lower, solve_lower_transpose, symmetrized
 from .whitened_kl import whitened_kl
 
