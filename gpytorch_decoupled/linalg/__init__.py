@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Numerical building blocks shared by the method families: float64 Cholesky with jitter, triangular solves,
-fused kernel-vector products, the column-sampled quadratic form and the KL divergence from a whitened prior."""
+tiled kernel-vector products and quadratic forms, the sampled estimates of a mean basis's quadratic form and the KL
+divergence from a whitened prior."""
 
 from .cholesky import jittered_cholesky, reset_jitter_warnings
 from .kernel_matvec import kernel_matvec
 from .kernel_quadratic_form import kernel_quadratic_form
+from .landmark_quadratic_form import landmark_quadratic_form
 from .quadratic_form import column_sampled_quadratic_form
 from .settings import kernel_keep_size, kernel_tile_size
 from .triangular import cholesky_logdet, cholesky_solve, solve_lower, solve_lower_transpose, symmetrized
@@ -19,6 +21,7 @@ __all__ = [
     "kernel_matvec",
     "kernel_quadratic_form",
     "kernel_tile_size",
+    "landmark_quadratic_form",
     "reset_jitter_warnings",
     "solve_lower",
     "solve_lower_transpose",

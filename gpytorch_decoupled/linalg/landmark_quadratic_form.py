@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from linear_operator import to_dense
+from torch import Tensor
+
+from .cholesky import jittered_cholesky
+from .kernel_matvec import kernel_matvec
+from .kernel_quadratic_form import kernel_quadratic_form
+from .triangular import solve_lower, solve_lower_transpose
+
+
+def landmark_quadratic_form(
+    kernel: Callable[[Tensor, Tensor], Tensor],
+    points: Tensor,  # shape: (*batch, M, D)
+    coefficients: Tensor,  # shape: (*batch, M)
+    landmarks: Tensor,  # shape: (*batch, L, D)
+    landmark_cholesky: Tensor | None = None,  # shape: (*batch, L, L)
+    num_columns: int | None = 64,
+    residual: bool = False,
+    generator: torch.Generator | None = None,
+    indices: Tensor | None = None,  # shape: (b,)
+) -> Tensor:  # shape: (*batch)
+    r"""
+    Unbiased low-variance estimate (or exact value) of :math:`Q = \mathbf a^\top\mathbf K_{\gamma}\mathbf a` for a
+    mean basis :math:`\gamma` with coefficients :math:`\mathbf a`, using a set of landmarks :math:`\beta` (a decoupled
+    model's covariance basis) as a control variate; with ``residual=True``, of the residual form
+    :math:`R = \mathbf a^\top(\mathbf K_{\gamma} - \mathbf K_{\gamma\beta}\mathbf K_\beta^{-1}\mathbf K_{\beta\gamma})
+    \mathbf a`, the mean-basis term of the orthogonally decoupled KL (`Salimbeni et al. (2018)`_, eq. 9).
+
+    With :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a` (:math:`\mathbf L_\beta` a Cholesky
+    factor of :math:`\mathbf K_\beta`) and :math:`\mathbf h = \mathbf K_{\gamma\beta}\mathbf L_\beta^{-\top}\mathbf c`,
+    the Nyström approximation of :math:`\mathbf K_\gamma\mathbf a`, :math:`Q = \lVert\mathbf c\rVert^2 + R` and
+    :math:`R = \sum_i r_i` with :math:`r_i = a_i[\mathbf K_\gamma\mathbf a - \mathbf h]_i`. The terms of :math:`R`
+    are drawn with probabilities :math:`p_i \propto \lvert a_i\rvert` (summed over the batch), :math:`b` times with
+    replacement,
+
+    .. math::
+
+        \widehat R = \frac1b\sum_{k=1}^{b} \frac{r_{i_k}}{p_{i_k}},
+        \qquad \mathbb E\,\widehat R = R, \qquad \widehat Q = \lVert\mathbf c\rVert^2 + \widehat R,
+
+    and :math:`\mathbf p` is held constant under differentiation, so that the gradients (with respect to
+    :math:`\mathbf a`, both point sets and the kernel's hyperparameters) are unbiased too. Each draw costs one row of
+    :math:`\mathbf K_\gamma` and of :math:`\mathbf K_{\gamma\beta}`. Against uniformly sampled rows of
+    :math:`\mathbf K_\gamma` (:func:`~gpytorch_decoupled.linalg.column_sampled_quadratic_form`), the control variate
+    removes the part of :math:`\mathbf a` that the landmarks represent, which in a trained orthogonally decoupled
+    model is nearly all of :math:`Q` (:math:`\mathbf a` drifts along directions that :math:`\mathbf K_\gamma -
+    \mathbf Q_\gamma` does not see), and the sampling by :math:`\lvert a_i\rvert` follows the heavy tail of the
+    coefficients.
+
+    Without sampling (``num_columns=None`` or :math:`\geq M`), :math:`Q` is exact
+    (:func:`~gpytorch_decoupled.linalg.kernel_quadratic_form`: :math:`O(M^2)` time, memory of one tile).
+
+    :param kernel: ``kernel(x1, x2)`` returns the kernel block ``(*batch, len(x1), len(x2))``, dense or a lazy
+        GPyTorch block (then the products are fused, :func:`~gpytorch_decoupled.linalg.kernel_matvec`).
+    :param points: The mean basis :math:`\gamma`.
+    :param coefficients: :math:`\mathbf a`.
+    :param landmarks: The landmarks :math:`\beta`.
+    :param landmark_cholesky: A lower Cholesky factor of :math:`\mathbf K_\beta` (with the jitter the caller uses);
+        by default :func:`~gpytorch_decoupled.linalg.jittered_cholesky` of ``kernel(landmarks, landmarks)``. Any
+        factor keeps the estimate unbiased; a good one makes it precise.
+    :param num_columns: Draws :math:`b`; ``None`` for the exact value.
+    :param residual: Estimate :math:`R` instead of :math:`Q`.
+    :param generator: Random generator (on the device of ``points``) for the draws, so that the caller owns the
+        stream and a resumed run draws the same rows.
+    :param indices: Explicit draws :math:`i_1, \ldots, i_b` (with the probabilities above) instead of random ones.
+    :return: :math:`\widehat Q` (or :math:`\widehat R`), exact without sampling.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> kernel = gpytorch.kernels.RBFKernel()
+        >>> gamma, beta, a = torch.randn(2000, 2), torch.randn(50, 2), torch.randn(2000)
+        >>> generator = torch.Generator().manual_seed(0)
+        >>> estimate = landmark_quadratic_form(kernel, gamma, a, beta, num_columns=64, generator=generator)
+        >>> exact = landmark_quadratic_form(kernel, gamma, a, beta, num_columns=None)
+        >>> estimate.shape, exact.shape
+        (torch.Size([]), torch.Size([]))
+
+    .. _Salimbeni et al. (2018):
+        https://arxiv.org/abs/1809.08820
+    """
+    if points.dim() < 2 or landmarks.dim() < 2 or points.size(-1) != landmarks.size(-1):
+        raise ValueError(
+            f"points and landmarks must have shapes (*batch, M, D) and (*batch, L, D), got {tuple(points.shape)} and "
+            f"{tuple(landmarks.shape)}."
+        )
+    if coefficients.dim() < 1 or coefficients.size(-1) != points.size(-2):
+        raise ValueError(f"coefficients must have shape (*batch, {points.size(-2)}), got {tuple(coefficients.shape)}.")
+    if num_columns is not None and num_columns < 1:
+        raise ValueError(f"num_columns must be positive, got {num_columns}.")
+    num_points = points.size(-2)
+    exact = indices is None and (num_columns is None or num_columns >= num_points)
+    if exact and not residual:
+        return kernel_quadratic_form(kernel(points, points), coefficients)
+    if landmark_cholesky is None:
+        landmark_cholesky = jittered_cholesky(to_dense(kernel(landmarks, landmarks)), name="landmark kernel matrix")
+    if exact:
+        coordinates = solve_lower(
+            landmark_cholesky, kernel_matvec(kernel(landmarks, points), coefficients).unsqueeze(-1)
+        )
+        return kernel_quadratic_form(kernel(points, points), coefficients) - coordinates.squeeze(-1).pow(2).sum(-1)
+    if indices is None:
+        indices = coefficient_proportional_rows(coefficients, num_columns, generator)
+    elif indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64) or indices.numel() == 0:
+        raise ValueError(
+            f"indices must be a non-empty 1-D integer tensor, got {tuple(indices.shape)}, {indices.dtype}."
+        )
+    elif indices.min() < 0 or indices.max() >= num_points:
+        raise ValueError(f"indices must lie in [0, {num_points}).")
+    sampled = points.index_select(-2, indices)
+    batch_shape = torch.broadcast_shapes(landmarks.shape[:-2], sampled.shape[:-2])
+    rows = torch.cat([landmarks.expand(*batch_shape, -1, -1), sampled.expand(*batch_shape, -1, -1)], dim=-2)
+    products = kernel_matvec(kernel(rows, points), coefficients)
+    landmark_products, sampled_products = products.split([landmarks.size(-2), indices.numel()], dim=-1)
+    coordinates = solve_lower(landmark_cholesky, landmark_products.unsqueeze(-1)).squeeze(-1)
+    estimate = landmark_controlled_estimate(
+        coefficients.index_select(-1, indices),
+        sampled_products,
+        to_dense(kernel(sampled, landmarks)),
+        coordinates,
+        landmark_cholesky,
+        row_probabilities(coefficients).index_select(-1, indices),
+    )
+    return estimate if residual else estimate + coordinates.pow(2).sum(-1)
+
+
+def landmark_controlled_estimate(
+    coefficients: Tensor,  # shape: (*batch, b)
+    row_products: Tensor,  # shape: (*batch, b)
+    landmark_block: Tensor,  # shape: (*batch, b, L)
+    landmark_coordinates: Tensor,  # shape: (*batch, L)
+    landmark_cholesky: Tensor,  # shape: (*batch, L, L)
+    probabilities: Tensor,  # shape: (b,)
+) -> Tensor:  # shape: (*batch)
+    r"""
+    :math:`\widehat R = \frac1b\sum_k a_{i_k}\big([\mathbf K_\gamma\mathbf a]_{i_k} - [\mathbf K_{\gamma\beta}\mathbf
+    L_\beta^{-\top}\mathbf c]_{i_k}\big) / p_{i_k}` of :func:`landmark_quadratic_form` from its pieces, for a caller
+    that computes the rows' products with others (a strategy fuses them with the data's).
+
+    :param coefficients: :math:`a_{i_k}` of the drawn rows.
+    :param row_products: :math:`[\mathbf K_\gamma\mathbf a]_{i_k}`.
+    :param landmark_block: :math:`\mathbf K_{\gamma_{i_k}\beta}`.
+    :param landmark_coordinates: :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a`.
+    :param landmark_cholesky: :math:`\mathbf L_\beta`.
+    :param probabilities: :math:`p_{i_k}` (:func:`row_probabilities`), held constant.
+    :return: :math:`\widehat R`; add :math:`\lVert\mathbf c\rVert^2` for :math:`\widehat Q`.
+    """
+    weights = solve_lower_transpose(landmark_cholesky, landmark_coordinates.unsqueeze(-1))
+    control = (landmark_block @ weights.type(landmark_block.dtype)).squeeze(-1)
+    terms = coefficients * (row_products - control) / probabilities.detach()
+    return terms.mean(-1)
+
+
+def row_probabilities(coefficients: Tensor) -> Tensor:  # shape: (M,)
+    r"""
+    :math:`p_i \propto \lvert a_i\rvert` (summed over the batch dimensions, which share the draws; uniform when every
+    coefficient is 0), the sampling distribution of :func:`landmark_quadratic_form`, detached.
+    """
+    weights = coefficients.detach().abs().reshape(-1, coefficients.size(-1)).sum(0)
+    total = weights.sum()
+    if not total > 0:
+        return torch.full_like(weights, 1.0 / max(weights.numel(), 1))
+    return weights / total
+
+
+def coefficient_proportional_rows(
+    coefficients: Tensor, num_draws: int, generator: torch.Generator | None = None
+) -> Tensor:  # shape: (num_draws,)
+    """``num_draws`` rows drawn with replacement with the probabilities of :func:`row_probabilities`."""
+    return torch.multinomial(row_probabilities(coefficients), num_draws, replacement=True, generator=generator)
