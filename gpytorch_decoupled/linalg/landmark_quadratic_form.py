@@ -51,7 +51,7 @@ def landmark_quadratic_form(
     removes the part of :math:`\mathbf a` that the landmarks represent, which in a trained orthogonally decoupled
     model is nearly all of :math:`Q` (:math:`\mathbf a` drifts along directions that :math:`\mathbf K_\gamma -
     \mathbf Q_\gamma` does not see), and the sampling by :math:`\lvert a_i\rvert` follows the heavy tail of the
-    coefficients.
+    coefficients (:ref:`derivations-landmark-kl`).
 
     Without sampling (``num_columns=None`` or :math:`\geq M`), :math:`Q` is exact
     (:func:`~gpytorch_decoupled.linalg.kernel_quadratic_form`: :math:`O(M^2)` time, memory of one tile).
