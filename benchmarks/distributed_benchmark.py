@@ -196,7 +196,9 @@ def _kalman_part(spec: dict, device: torch.device, dtype: torch.dtype) -> dict:
     x, y = _synthetic(spec, device, dtype)
     m = spec["num_inducing"]
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(device, dtype)
-    model = _StrategyGP(lambda gp: KalmanVariationalStrategy(gp, x[:m].clone(), likelihood)).to(device, dtype)
+    model = _StrategyGP(lambda gp: KalmanVariationalStrategy(gp, x[:m].clone(), likelihood=likelihood)).to(
+        device, dtype
+    )
     kalman = DistributedKalmanUpdate(model, likelihood)
     seconds = _timed_loop(spec, device, ShardedBatches(TensorDataset(x, y), spec["batch_size"]), kalman.update)
     world_size = dist.get_world_size()

@@ -272,7 +272,7 @@ def _train(
 def _fixed_kalman_model(inducing_points: Tensor, lengthscale: float, noise_std: float) -> ApproximateRegressionModel:
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(inducing_points)
     model = ApproximateRegressionModel(
-        lambda model: KalmanVariationalStrategy(model, inducing_points, likelihood), inducing_points.size(-1)
+        lambda model: KalmanVariationalStrategy(model, inducing_points, likelihood=likelihood), inducing_points.size(-1)
     ).to(inducing_points)
     model.covar_module.base_kernel.lengthscale = lengthscale
     model.covar_module.outputscale = 1.0

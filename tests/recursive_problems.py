@@ -22,7 +22,9 @@ class RecursiveGP(gpytorch.models.ApproximateGP):
     """An ApproximateGP with a KalmanVariationalStrategy, a constant (or zero) mean and a scaled RBF kernel."""
 
     def __init__(self, inducing_points, likelihood, approximation="vfe", alpha=None, constant_mean=False, **kwargs):
-        strategy = KalmanVariationalStrategy(self, inducing_points, likelihood, approximation, alpha, **kwargs)
+        strategy = KalmanVariationalStrategy(
+            self, inducing_points, likelihood=likelihood, approximation=approximation, alpha=alpha, **kwargs
+        )
         super().__init__(strategy)
         batch_shape = inducing_points.shape[:-2]
         dims = inducing_points.size(-1)

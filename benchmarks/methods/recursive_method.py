@@ -76,7 +76,9 @@ class RecursiveMethod(Method):
         likelihood = gpytorch.likelihoods.GaussianLikelihood().to(train_x)
 
         def make_strategy(model):
-            return KalmanVariationalStrategy(model, inducing_points, likelihood, approximation, alpha)
+            return KalmanVariationalStrategy(
+                model, inducing_points, likelihood=likelihood, approximation=approximation, alpha=alpha
+            )
 
         model = ApproximateRegressionModel(make_strategy, train_x.size(-1)).to(train_x)
         strategy = model.variational_strategy

@@ -164,7 +164,7 @@ def srgp(train_x: Tensor, train_y: Tensor, seed: int = 0) -> DemoMethod:
     (z,) = _training_points(train_x, [100], seed)
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(train_x)
     model = RegressionModel(
-        lambda model: KalmanVariationalStrategy(model, z, likelihood, approximation="vfe"), train_x.size(-1)
+        lambda model: KalmanVariationalStrategy(model, z, likelihood=likelihood, approximation="vfe"), train_x.size(-1)
     ).to(train_x)
     optimizer = torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=0.05)
     recursion = RecursiveGradientPropagation(model, likelihood, optimizer)

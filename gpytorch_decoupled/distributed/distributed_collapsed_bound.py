@@ -50,7 +50,7 @@ class DistributedCollapsedBound(StreamingCollapsedBound):
         >>> _ = torch.manual_seed(0)  # the same on every rank
         >>> class RecursiveGP(gpytorch.models.ApproximateGP):
         ...     def __init__(self, inducing_points, likelihood):
-        ...         super().__init__(KalmanVariationalStrategy(self, inducing_points, likelihood))
+        ...         super().__init__(KalmanVariationalStrategy(self, inducing_points, likelihood=likelihood))
         ...         self.mean_module = gpytorch.means.ZeroMean()
         ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
         ...     def forward(self, x):

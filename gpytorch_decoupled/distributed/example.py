@@ -63,7 +63,7 @@ def _build(family: str, points: torch.Tensor, num_inducing: int, likelihood) -> 
     if family == "odvgp":
         q = FastNaturalVariationalDistribution(num_inducing)
         return _ExampleGP(lambda gp: OrthogonallyDecoupledVariationalStrategy(gp, z, q, points), dims)
-    return _ExampleGP(lambda gp: KalmanVariationalStrategy(gp, z, likelihood), dims)
+    return _ExampleGP(lambda gp: KalmanVariationalStrategy(gp, z, likelihood=likelihood), dims)
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:

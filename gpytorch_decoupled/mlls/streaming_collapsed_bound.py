@@ -73,7 +73,7 @@ class StreamingCollapsedBound:
         >>> from gpytorch_decoupled.variational import KalmanVariationalStrategy
         >>> class RecursiveGP(gpytorch.models.ApproximateGP):
         ...     def __init__(self, inducing_points, likelihood):
-        ...         super().__init__(KalmanVariationalStrategy(self, inducing_points, likelihood))
+        ...         super().__init__(KalmanVariationalStrategy(self, inducing_points, likelihood=likelihood))
         ...         self.mean_module = gpytorch.means.ZeroMean()
         ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
         ...     def forward(self, x):

@@ -14,6 +14,7 @@ from .hybrid_variational_strategy import HybridVariationalStrategy
 from .independent_multitask_variational_strategy import IndependentMultitaskVariationalStrategy
 from .initialize_from_prior import initialize_from_prior
 from .joint_prior import JointPrior, joint_prior
+from .kalman_variational_distribution import KalmanVariationalDistribution
 from .kalman_variational_strategy import KalmanVariationalStrategy
 from .lmc_variational_strategy import LMCVariationalStrategy
 from .mean_basis import MeanBasis, MeanBasisValues
@@ -34,6 +35,7 @@ __all__ = [
     "JointPrior",
     "KalmanIncrements",
     "KalmanStatistics",
+    "KalmanVariationalDistribution",
     "KalmanVariationalStrategy",
     "LMCVariationalStrategy",
     "MeanBasis",

@@ -43,9 +43,11 @@ def _kl_natural_mvn(q: _NaturalMultivariateNormal, p: MultivariateNormal) -> Ten
     """
     if q.covariance_logdet is None:
         return kl_mvn_mvn(q, p)
+    # The prior may carry batch dimensions that q lacks (an unwhitened strategy's prior at inducing points expanded to
+    # the data's batch shape), so both sides are broadcast before they are stacked.
     batch_shape = torch.broadcast_shapes(q.batch_shape, p.batch_shape)
-    difference = p.mean - q.mean
-    covariance = q.lazy_covariance_matrix.to_dense()
+    difference = (p.mean - q.mean).expand(*batch_shape, -1)
+    covariance = q.lazy_covariance_matrix.to_dense().expand(*batch_shape, -1, -1)
     solved = p.lazy_covariance_matrix.solve(torch.cat([difference.unsqueeze(-1), covariance], dim=-1))
     trace = solved[..., 1:].diagonal(dim1=-2, dim2=-1).sum(-1)
     quadratic = (difference * solved[..., 0]).sum(-1)

@@ -139,10 +139,12 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
                 "DualVariationalStrategy needs a DualVariationalDistribution, got "
                 f"{type(variational_distribution).__name__}."
             )
-        if variational_distribution.num_inducing_points != inducing_points.size(-2):
+        # 1-D inducing points are one input dimension, as in GPyTorch's strategies: (M,) is read as (M, 1).
+        num_inducing = inducing_points.size(-2) if inducing_points.dim() > 1 else inducing_points.numel()
+        if variational_distribution.num_inducing_points != num_inducing:
             raise ValueError(
                 f"the variational distribution is for M={variational_distribution.num_inducing_points} inducing "
-                f"points, but {inducing_points.size(-2)} were given."
+                f"points, but {num_inducing} were given."
             )
         super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import warnings
+
 import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.likelihoods import GaussianLikelihood, Likelihood
@@ -10,7 +12,6 @@ from torch import Tensor
 
 from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower, symmetrized
 from ._direct_variational_strategy import _DirectVariationalStrategy
-from ._kalman_state import _KalmanState
 from ._kalman_terms import (
     KalmanIncrements,
     KalmanStatistics,
@@ -21,6 +22,7 @@ from ._kalman_terms import (
     observation_terms,
 )
 from .joint_prior import JointPrior, joint_prior
+from .kalman_variational_distribution import KalmanVariationalDistribution
 
 
 class KalmanVariationalStrategy(_DirectVariationalStrategy):
@@ -93,11 +95,28 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
     is :math:`\mathrm{KL}(q(\mathbf u)\Vert p(\mathbf u))`, so :class:`~gpytorch.mlls.VariationalELBO` works too (at
     the VFE posterior it equals Titsias' bound).
 
+    **Training loops.** The state moves only through :meth:`update` (or the update steps built on it), never by
+    gradients: a training forward pass with gradients while nothing is absorbed raises a ``RuntimeError`` that names
+    the call to add, rather than fitting the hyperparameters to the prior. In GPyTorch's standard mini-batch loop,
+    add ``model.variational_strategy.update(x_batch, y_batch, likelihood)`` before ``model(x_batch)`` and call
+    :meth:`reset` before each further pass over the data (each point is absorbed once per pass: absorbing it again
+    would count it twice).
+
+    The constructor takes GPyTorch's arguments in GPyTorch's order, so that the strategy is built as any other (by
+    :class:`gpytorch.test.VariationalTestCase`, by BoTorch's ``SingleTaskVariationalGP``); the Kalman-specific
+    settings are keywords. The likelihood may come later than the model (BoTorch creates it separately): it is read
+    from the model's ``likelihood`` attribute if there is one, attached by assignment (``strategy.likelihood =
+    likelihood``), or passed to the first :meth:`update`. Its predictions and its KL do not need it.
+
     :param model: Model this strategy is applied to (typically the :class:`~gpytorch.models.ApproximateGP` itself).
-    :param inducing_points: Inducing inputs :math:`\mathbf Z`, ``(M, D)``, or ``(*batch, M, D)`` for a batch of
-        independent latent GPs (the kernel's batch shape must match it).
+    :param inducing_points: Inducing inputs :math:`\mathbf Z`, ``(M, D)`` (or ``(M,)`` for one input dimension), or
+        ``(*batch, M, D)`` for a batch of independent latent GPs (the kernel's batch shape must broadcast to it).
+    :param variational_distribution: The state, a :class:`~gpytorch_decoupled.variational.KalmanVariationalDistribution`
+        (default: an empty one for the inducing points' number and batch shape; its batch shape may add latents that
+        share the inducing points).
+    :param args: ``learn_inducing_locations`` and ``jitter_val`` given by position, as in GPyTorch.
     :param likelihood: The :class:`~gpytorch.likelihoods.GaussianLikelihood` whose noise :math:`\sigma^2` the
-        updates use (kept by reference: train it as usual, and move it with the model).
+        updates use (kept by reference: train it as usual, and move it with the model); optional, see above.
     :param approximation: ``"vfe"`` (default), ``"dtc"``, ``"fitc"``, ``"pitc"`` or ``"pep"``.
     :param alpha: The power :math:`0 < \alpha \le 1` of ``"pep"`` (1 is FITC, :math:`\alpha \to 0` VFE).
     :param learn_inducing_locations: Make :math:`\mathbf Z` a parameter (default True).
@@ -105,22 +124,25 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         GPyTorch's strategies (default: GPyTorch's variational jitter for the model's dtype, ``1e-4`` for float32
         and ``1e-6`` for float64: the kernel matrices carry the rounding errors of that dtype).
 
+    The order of version 0.1, ``(model, inducing_points, likelihood, approximation, alpha, learn_inducing_locations,
+    jitter_val)``, still works for one more release, with a ``DeprecationWarning``.
+
     Example:
         >>> import gpytorch, torch
         >>> from gpytorch_decoupled.variational import KalmanVariationalStrategy
         >>> class RecursiveGP(gpytorch.models.ApproximateGP):
-        ...     def __init__(self, inducing_points, likelihood):
-        ...         super().__init__(KalmanVariationalStrategy(self, inducing_points, likelihood, "fitc"))
+        ...     def __init__(self, inducing_points):
+        ...         super().__init__(KalmanVariationalStrategy(self, inducing_points, approximation="fitc"))
         ...         self.mean_module = gpytorch.means.ZeroMean()
         ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
         ...     def forward(self, x):
         ...         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+        >>> model = RecursiveGP(torch.linspace(-3, 3, 15).unsqueeze(-1))
         >>> likelihood = gpytorch.likelihoods.GaussianLikelihood()
-        >>> model = RecursiveGP(torch.linspace(-3, 3, 15).unsqueeze(-1), likelihood)
         >>> x = torch.linspace(-3, 3, 400).unsqueeze(-1)
         >>> y = torch.sin(2 * x.squeeze(-1)) + 0.1 * torch.randn(400)
         >>> for x_batch, y_batch in zip(x.split(100), y.split(100)):  # a stream of mini-batches
-        ...     psi = model.variational_strategy.update(x_batch, y_batch)
+        ...     psi = model.variational_strategy.update(x_batch, y_batch, likelihood)
         >>> model.variational_strategy.num_observed
         400
         >>> model.eval()(x[:3]).variance.le(model(x[:3], prior=True).variance).all()
@@ -132,32 +154,107 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
 
     _step_attributes = ("_eval_posterior_factors",)
     _eval_posterior_factors: tuple[Tensor, Tensor, Tensor] | None = None
+    _likelihood: GaussianLikelihood | None = None
 
     def __init__(
         self,
         model: ApproximateGP,
         inducing_points: Tensor,
-        likelihood: GaussianLikelihood,
+        variational_distribution: KalmanVariationalDistribution | None = None,
+        *args,
+        likelihood: GaussianLikelihood | None = None,
         approximation: str = "vfe",
         alpha: float | None = None,
         learn_inducing_locations: bool = True,
         jitter_val: float | None = None,
     ):
-        if not isinstance(likelihood, GaussianLikelihood):
-            raise TypeError(
-                "KalmanVariationalStrategy needs a gpytorch.likelihoods.GaussianLikelihood (its closed-form updates "
-                f"are for Gaussian noise sigma^2), got {type(likelihood).__name__}."
+        # Positional arguments after the distribution are GPyTorch's (learn_inducing_locations, jitter_val), or, in
+        # version 0.1's order, (approximation, alpha, learn_inducing_locations, jitter_val) after a likelihood.
+        keywords = {"learn_inducing_locations": learn_inducing_locations, "jitter_val": jitter_val}
+        names = ("learn_inducing_locations", "jitter_val")
+        if isinstance(variational_distribution, Likelihood):
+            warnings.warn(
+                "KalmanVariationalStrategy(model, inducing_points, likelihood, approximation, alpha, ...) is "
+                "deprecated: use GPyTorch's order, KalmanVariationalStrategy(model, inducing_points, "
+                "variational_distribution=None, learn_inducing_locations=True, jitter_val=None, likelihood=..., "
+                "approximation=..., alpha=...); the old order will be removed in the next release.",
+                DeprecationWarning,
+                stacklevel=2,
             )
+            likelihood, variational_distribution = variational_distribution, None
+            keywords.update(approximation=approximation, alpha=alpha)
+            names = ("approximation", "alpha", *names)
+        if len(args) > len(names):
+            raise TypeError(f"KalmanVariationalStrategy takes at most {3 + len(names)} positional arguments.")
+        for name, value in zip(names, args):
+            if keywords[name] != KalmanVariationalStrategy.__init__.__kwdefaults__[name]:
+                raise TypeError(f"KalmanVariationalStrategy got multiple values for argument {name!r}.")
+            keywords[name] = value
+        learn_inducing_locations, jitter_val = keywords["learn_inducing_locations"], keywords["jitter_val"]
+        approximation, alpha = keywords.get("approximation", approximation), keywords.get("alpha", alpha)
         approximation, alpha = checked_approximation(approximation, alpha)
         points = inducing_points.unsqueeze(-1) if inducing_points.dim() == 1 else inducing_points
         if points.dim() < 2 or not torch.isfinite(points).all():
             raise ValueError(f"inducing_points must be a finite (..., M, D) tensor, got shape {tuple(points.shape)}.")
-        state = _KalmanState(points.size(-2), batch_shape=points.shape[:-2])
-        super().__init__(model, points, state, learn_inducing_locations, jitter_val)
-        # Kept by reference, outside the module tree, like ``model``: the user trains and saves the likelihood.
-        object.__setattr__(self, "likelihood", likelihood)
+        if variational_distribution is None:
+            variational_distribution = KalmanVariationalDistribution(points.size(-2), batch_shape=points.shape[:-2])
+        _check_distribution(variational_distribution, points)
+        super().__init__(model, points, variational_distribution, learn_inducing_locations, jitter_val)
+        if likelihood is not None:
+            self.likelihood = likelihood
         self.approximation = approximation
         self.alpha = alpha
+
+    # ------------------------------------------------------------------ likelihood
+    @property
+    def likelihood(self) -> GaussianLikelihood | None:
+        r"""
+        The :class:`~gpytorch.likelihoods.GaussianLikelihood` whose noise :math:`\sigma^2` the updates use: the one
+        attached (at construction, by assignment, or by the first :meth:`update` or update step given one), else the
+        model's ``likelihood`` attribute if it is Gaussian, else ``None``. It is kept by reference, outside the module
+        tree (like ``model``): train and save it as usual.
+        """
+        if self._likelihood is not None:
+            return self._likelihood
+        likelihood = getattr(self.model, "likelihood", None)
+        return likelihood if isinstance(likelihood, GaussianLikelihood) else None
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "likelihood":
+            object.__setattr__(self, "_likelihood", _checked_likelihood(value))
+        else:
+            super().__setattr__(name, value)
+
+    def resolved_likelihood(self, likelihood: GaussianLikelihood | None, user: str) -> GaussianLikelihood:
+        r"""
+        The likelihood to use: ``likelihood`` if given (it must be the strategy's own if one is attached), else the
+        strategy's :attr:`likelihood`. Attaches nothing (see :meth:`attach_likelihood`).
+
+        :param likelihood: A likelihood a caller was given, or ``None``.
+        :param user: What asks, named in the errors.
+        :raises TypeError: If ``likelihood`` is not Gaussian.
+        :raises ValueError: If another likelihood is attached already, or if there is none at all.
+        """
+        current = self.likelihood
+        if likelihood is not None:
+            _checked_likelihood(likelihood)
+            if current is not None and likelihood is not current:
+                raise ValueError(f"{user}: the likelihood must be the one the model's KalmanVariationalStrategy uses.")
+            return likelihood
+        if current is None:
+            raise ValueError(
+                f"{user} needs the GaussianLikelihood whose noise the Kalman updates use: pass it (e.g. "
+                "update(x, y, likelihood=likelihood)) or attach it once with strategy.likelihood = likelihood."
+            )
+        return current
+
+    def attach_likelihood(self, likelihood: GaussianLikelihood | None, user: str) -> GaussianLikelihood:
+        r"""The strategy's likelihood after attaching ``likelihood`` if none is attached yet (errors as
+        :meth:`resolved_likelihood`)."""
+        likelihood = self.resolved_likelihood(likelihood, user)
+        if self._likelihood is None:
+            self.likelihood = likelihood
+        return likelihood
 
     # ------------------------------------------------------------------ state
     @property
@@ -182,22 +279,26 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         self._clear_cache()
 
     @torch.no_grad()
-    def update(self, x: Tensor, y: Tensor) -> Tensor:
+    def update(self, x: Tensor, y: Tensor, likelihood: GaussianLikelihood | None = None) -> Tensor:
         r"""
         Absorbs one mini-batch in closed form (an information-filter update, :ref:`derivations-information-form`) and
         returns its bound term :math:`\psi_k`, computed before the mini-batch is absorbed.
 
         :param x: Inputs, ``(B, D)`` (or ``(*batch, B, D)``).
         :param y: Targets, ``(B,)`` (or ``(*batch, B)``), same dtype and device as ``x``.
+        :param likelihood: The Gaussian likelihood whose noise the update uses; attached to the strategy on the first
+            successful update (see :attr:`likelihood`). Not needed once one is attached.
         :return: :math:`\psi_k`, one value per latent (a scalar without batch), in the model's dtype.
         :raises ValueError: On bad shapes, dtypes, devices or NaN/inf, before anything changes.
         :raises ~linear_operator.utils.errors.NotPSDError: If a matrix is not positive definite even with the
             maximum jitter; the state is then unchanged.
         """
+        likelihood = self.resolved_likelihood(likelihood, "KalmanVariationalStrategy.update")
         x, y = self.checked_data(x, y)
-        terms, inducing_covariance = self.observation_terms(x, y)
+        terms, inducing_covariance = self.observation_terms(x, y, likelihood)
         psi = self.bound_term(terms, inducing_covariance, *self.statistics)
         self.absorb(self.increments(terms, psi), x.size(-2))
+        self.attach_likelihood(likelihood, "KalmanVariationalStrategy.update")
         return psi.to(self.inducing_points.dtype)
 
     # ------------------------------------------------------------------ the update protocol
@@ -239,7 +340,9 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
             )
         return x, y
 
-    def observation_terms(self, x: Tensor, y: Tensor) -> tuple[ObservationTerms, Tensor]:
+    def observation_terms(
+        self, x: Tensor, y: Tensor, likelihood: GaussianLikelihood | None = None
+    ) -> tuple[ObservationTerms, Tensor]:
         r"""
         A validated mini-batch's likelihood in the transformed coordinates (:class:`ObservationTerms`, whose
         ``information_vector`` and ``information_matrix`` are its increments of the state) and the jittered float64
@@ -262,7 +365,7 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
             cross_covariance,
             data_covariance,
             residual,
-            self.noise_variance(),
+            self.noise_variance(likelihood),
         )
         return terms, inducing_covariance
 
@@ -303,9 +406,10 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         \text{offset}_k + F`), given all data's statistics; differentiable in them and in the hyperparameters."""
         return collapsed_bound_tail(self._inducing_prior()[0], information_vector, information_matrix)
 
-    def noise_variance(self) -> Tensor:
-        r"""The likelihood's noise :math:`\sigma^2` in float64, one value per latent."""
-        return self.likelihood.noise.double()[..., 0]
+    def noise_variance(self, likelihood: GaussianLikelihood | None = None) -> Tensor:
+        r"""The noise :math:`\sigma^2` of ``likelihood`` or else of the strategy's :attr:`likelihood`, in float64, one
+        value per latent."""
+        return self.resolved_likelihood(likelihood, "KalmanVariationalStrategy").noise.double()[..., 0]
 
     def inducing_data_covariance(self, x: Tensor) -> Tensor:
         r""":math:`\mathbf K_{\mathbf u\mathbf x}` in float64, ``(..., M, B)``, for a validated mini-batch."""
@@ -314,14 +418,15 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
     @staticmethod
     def of_model(model: ApproximateGP, likelihood: Likelihood, user: str) -> KalmanVariationalStrategy:
         """
-        The model's :class:`KalmanVariationalStrategy`, checked to be built with ``likelihood`` (whose noise its
-        updates use).
+        The model's :class:`KalmanVariationalStrategy`, with ``likelihood`` (whose noise its updates use) attached
+        if it had none, or checked to be the one it has.
 
         :param model: The model whose strategy is sought.
         :param likelihood: The likelihood the caller was given.
         :param user: The class asking, named in the errors.
-        :raises TypeError: If the model's strategy is not a :class:`KalmanVariationalStrategy`.
-        :raises ValueError: If ``likelihood`` is not the one the strategy was built with.
+        :raises TypeError: If the model's strategy is not a :class:`KalmanVariationalStrategy`, or the likelihood is
+            not Gaussian.
+        :raises ValueError: If ``likelihood`` is not the one the strategy uses.
         """
         strategy = getattr(model, "variational_strategy", None)
         if not isinstance(strategy, KalmanVariationalStrategy):
@@ -329,10 +434,7 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
                 f"{user} needs a model whose variational_strategy is a KalmanVariationalStrategy, got "
                 f"{type(strategy).__name__}."
             )
-        if likelihood is not strategy.likelihood:
-            raise ValueError(
-                f"{user}: the likelihood must be the one the model's KalmanVariationalStrategy was built with."
-            )
+        strategy.attach_likelihood(likelihood, user)
         return strategy
 
     # ------------------------------------------------------------------ prior blocks (float64)
@@ -341,10 +443,14 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         return covariance + self.jitter_val * eye
 
     def _checked_batch(self, prior: MultivariateNormal, predictive: bool = False) -> None:
-        """The kernel must have the latents' batch shape; predictions may add batch dimensions of their inputs."""
+        """The kernel's batch shape must broadcast to the latents' (a kernel may be shared by every latent);
+        predictions may add batch dimensions of their inputs."""
         latent_shape, prior_shape = self._variational_distribution.batch_shape, prior.batch_shape
-        trailing = prior_shape[len(prior_shape) - len(latent_shape) :] if predictive else prior_shape
-        if trailing != latent_shape:
+        try:
+            shape = torch.broadcast_shapes(prior_shape, latent_shape)
+        except RuntimeError:
+            shape = None
+        if shape is None or (not predictive and shape != latent_shape):
             raise ValueError(
                 f"the prior has batch shape {tuple(prior.batch_shape)} but the inducing points define latents of batch "
                 f"shape {tuple(latent_shape)}; give inducing points the shape (*batch, M, D) of the kernel's batch."
@@ -417,6 +523,8 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
     def _predictive_distribution(self, x: Tensor, inducing_points: Tensor, diag: bool, **kwargs) -> MultivariateNormal:
         r""":math:`q(\mathbf f_*)` above, from one evaluation of the prior at :math:`[\mathbf Z; \mathbf x]` and the
         factors of the state (float64, cast to the inputs' dtype)."""
+        if self.training and torch.is_grad_enabled() and self.num_observed == 0:
+            raise RuntimeError(_PRIOR_IN_TRAINING)
         prior = self._joint_prior(x, predictive=True, **kwargs)
         inducing_covariance = self._jittered(prior.covariance(0, 0).to_dense().double())
         cross_covariance = prior.covariance(0, 1).to_dense().double()
@@ -435,3 +543,43 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         left = torch.cat([posterior_root, prior_root.neg()], dim=-2).mT.to(dtype)
         right = torch.cat([posterior_root, prior_root], dim=-2).to(dtype)
         return MultivariateNormal(mean, data_covariance + MatmulLinearOperator(left, right))
+
+
+# Raised by a training forward pass with gradients while nothing is absorbed: gradient steps never move q(u) here, so a
+# standard GPyTorch loop would otherwise train the hyperparameters against the prior without a word.
+_PRIOR_IN_TRAINING = (
+    "KalmanVariationalStrategy: q(u) is still the prior (no data absorbed), and gradient steps do not change it: its "
+    "posterior is computed in closed form. Add model.variational_strategy.update(x_batch, y_batch, likelihood) "
+    "before model(x_batch) in the training loop (once per data point: call model.variational_strategy.reset() before "
+    "each further pass), or train with gpytorch_decoupled.optim.RecursiveGradientPropagation (with BoTorch: "
+    "gpytorch_decoupled.botorch.SingleTaskVariationalGP and fit_gpytorch_mll)."
+)
+
+
+def _checked_likelihood(likelihood) -> GaussianLikelihood | None:
+    if likelihood is not None and not isinstance(likelihood, GaussianLikelihood):
+        raise TypeError(
+            "KalmanVariationalStrategy needs a gpytorch.likelihoods.GaussianLikelihood (its closed-form updates "
+            f"are for Gaussian noise sigma^2), got {type(likelihood).__name__}."
+        )
+    return likelihood
+
+
+def _check_distribution(distribution, inducing_points: Tensor) -> None:
+    """The state must be a :class:`KalmanVariationalDistribution` for the inducing points' number and batch."""
+    if not isinstance(distribution, KalmanVariationalDistribution):
+        raise TypeError(
+            "KalmanVariationalStrategy needs a KalmanVariationalDistribution (or None, for one built from the "
+            f"inducing points), got {type(distribution).__name__}."
+        )
+    num_inducing, batch_shape = inducing_points.size(-2), inducing_points.shape[:-2]
+    try:
+        broadcasts = torch.broadcast_shapes(batch_shape, distribution.batch_shape) == distribution.batch_shape
+    except RuntimeError:
+        broadcasts = False
+    if distribution.num_inducing_points != num_inducing or not broadcasts:
+        raise ValueError(
+            f"the variational distribution is for M={distribution.num_inducing_points} inducing points and latents of "
+            f"batch shape {tuple(distribution.batch_shape)}, but the inducing points have shape "
+            f"{tuple(inducing_points.shape)}."
+        )

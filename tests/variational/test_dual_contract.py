@@ -322,3 +322,20 @@ def test_random_sites_helper_is_deterministic() -> None:
     dual_strategy(gpytorch.models.ApproximateGP(None), randn(5, 2, gen=generator(0)).float(), first)
     dual_strategy(gpytorch.models.ApproximateGP(None), randn(5, 2, gen=generator(0)).float(), second)
     assert torch.equal(first.site_mean, second.site_mean) and first.site_mean.abs().max() > 0
+
+
+def test_one_dimensional_inducing_points_are_one_input_dimension():
+    # As in GPyTorch's tutorials: torch.linspace(...) without a trailing dimension (this raised an IndexError).
+    x = torch.linspace(-2, 2, 40, dtype=F64).unsqueeze(-1)
+    y = torch.sin(3 * x.squeeze(-1))
+    predictions = []
+    for points in (torch.linspace(-2, 2, 8, dtype=F64), torch.linspace(-2, 2, 8, dtype=F64).unsqueeze(-1)):
+        model, likelihood = DualGP(torch.zeros(8, 1, dtype=F64)), gaussian_likelihood()
+        model.variational_strategy = DualVariationalStrategy(model, points, DualVariationalDistribution(8))
+        model.double()
+        assert model.variational_strategy.inducing_points.shape == (8, 1)
+        DualEStep(model, likelihood, num_data=40).step(x, y)
+        predictions.append(_eval_prediction(model, x))
+    torch.testing.assert_close(predictions[0], predictions[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="M=8 inducing points, but 5 were given"):
+        DualVariationalStrategy(model, torch.zeros(5), DualVariationalDistribution(8))

@@ -75,10 +75,44 @@ def test_kl_equals_the_dense_oracle_and_gpytorch(prior: str) -> None:
     torch.testing.assert_close(kl, torch.distributions.kl_divergence(theirs(), p), rtol=1e-10, atol=1e-12)
 
 
+def test_kl_broadcasts_against_a_prior_with_more_batch_dimensions() -> None:
+    # An unwhitened strategy's prior at inducing points expanded to a batch of data sets has batch dimensions that q
+    # lacks (this raised "Tensors must have same number of dimensions").
+    ours, theirs, mean, covariance = _pair(batch_shape=torch.Size([]))
+    gen = generator(2)
+    prior_mean = randn(*BATCH, M, gen=gen)
+    prior_covariance = torch.stack([random_spd(M, gen) for _ in range(BATCH.numel())])
+    p = MultivariateNormal(prior_mean, DenseLinearOperator(prior_covariance))
+    kl = torch.distributions.kl_divergence(ours(), p)
+    assert kl.shape == BATCH
+    torch.testing.assert_close(kl, _kl_oracle(mean, covariance, prior_mean, prior_covariance), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(kl, torch.distributions.kl_divergence(theirs(), p), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "strategy_cls",
+    [gpytorch.variational.UnwhitenedVariationalStrategy, gpytorch.variational.VariationalStrategy],
+    ids=lambda cls: cls.__name__,
+)
+def test_batched_data_under_gpytorch_strategies_equals_gpytorchs_distribution(strategy_cls) -> None:
+    losses = []
+    for distribution_cls in (gpytorch.variational.NaturalVariationalDistribution, FastNaturalVariationalDistribution):
+        model, likelihood, x, y = _svgp_problem(distribution_cls, strategy_cls=strategy_cls)
+        x, y = torch.stack([x, x + 0.1, x - 0.2]), torch.stack([y, y, -y])
+        loss = -gpytorch.mlls.VariationalELBO(likelihood, model, num_data=40)(model(x), y)
+        loss.sum().backward()
+        losses.append((loss.detach(), model.variational_strategy._variational_distribution.natural_vec.grad))
+    (loss, gradient), (fast_loss, fast_gradient) = losses
+    assert fast_loss.shape == (3,)
+    torch.testing.assert_close(fast_loss, loss, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(fast_gradient, gradient, rtol=1e-8, atol=1e-10)
+
+
 class _SVGP(gpytorch.models.ApproximateGP):
-    def __init__(self, inducing_points: torch.Tensor, distribution_cls):
+    def __init__(self, inducing_points: torch.Tensor, distribution_cls, strategy_cls=None):
         distribution = distribution_cls(inducing_points.size(-2))
-        super().__init__(gpytorch.variational.VariationalStrategy(self, inducing_points, distribution))
+        strategy_cls = strategy_cls or gpytorch.variational.VariationalStrategy
+        super().__init__(strategy_cls(self, inducing_points, distribution))
         self.mean_module = gpytorch.means.ConstantMean()
         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
 
@@ -86,12 +120,12 @@ class _SVGP(gpytorch.models.ApproximateGP):
         return MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
-def _svgp_problem(distribution_cls, seed: int = 2):
+def _svgp_problem(distribution_cls, seed: int = 2, strategy_cls=None):
     gen = generator(seed)
     x = torch.linspace(-2, 2, 40, dtype=F64).unsqueeze(-1)
     y = torch.sin(3 * x.squeeze(-1)) + 0.1 * randn(40, gen=gen)
     torch.manual_seed(0)
-    model = _SVGP(x[::4].clone(), distribution_cls).to(F64)
+    model = _SVGP(x[::4].clone(), distribution_cls, strategy_cls).to(F64)
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(F64)
     return model, likelihood, x, y
 

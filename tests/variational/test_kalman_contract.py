@@ -67,7 +67,7 @@ def test_state_is_buffers_and_nothing_variational_is_trainable():
     assert int(state[prefix + "num_observed"]) == 36
     assert model.variational_strategy.jitter_val == 1e-8
     # GPyTorch's variational jitter for the dtype of the kernel matrices
-    default = KalmanVariationalStrategy(model, torch.zeros(3, 1), gpytorch.likelihoods.GaussianLikelihood())
+    default = KalmanVariationalStrategy(model, torch.zeros(3, 1), likelihood=gpytorch.likelihoods.GaussianLikelihood())
     assert default.jitter_val == 1e-4 and default.double().jitter_val == 1e-6
 
 
@@ -77,12 +77,56 @@ def test_state_is_buffers_and_nothing_variational_is_trainable():
         gpytorch.likelihoods.BernoulliLikelihood(),
         gpytorch.likelihoods.FixedNoiseGaussianLikelihood(torch.ones(5)),
         gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2),
-        None,
     ],
 )
 def test_non_gaussian_likelihoods_are_refused(likelihood):
     with pytest.raises(TypeError, match="GaussianLikelihood"):
         RecursiveGP(torch.zeros(4, 1), likelihood)
+    strategy = RecursiveGP(torch.zeros(4, 1), None).variational_strategy
+    with pytest.raises(TypeError, match="GaussianLikelihood"):
+        strategy.likelihood = likelihood
+    with pytest.raises(TypeError, match="GaussianLikelihood"):
+        strategy.update(torch.zeros(3, 1), torch.zeros(3), likelihood)
+    assert strategy.likelihood is None
+
+
+def test_the_likelihood_may_come_later_and_is_attached_once():
+    X, y, Z = problem()
+    reference, likelihood = make_model(Z)
+    stream(reference, X, y, blocks_of(60, 12))
+    model, _ = make_model(Z)
+    strategy = model.variational_strategy
+    strategy.likelihood = None  # built without one, as BoTorch builds it
+    snapshot = _snapshot(model)
+    with pytest.raises(ValueError, match=r"update\(x, y, likelihood=likelihood\)"):
+        strategy.update(X[:12], y[:12])
+    _assert_same_state(model, snapshot)
+    for block in blocks_of(60, 12):
+        strategy.update(X[block], y[block], likelihood if block[0] == 0 else None)
+    assert strategy.likelihood is likelihood
+    _assert_same_state(model, _snapshot(reference))
+    with pytest.raises(ValueError, match="must be the one"):
+        strategy.update(X[:12], y[:12], gpytorch.likelihoods.GaussianLikelihood().double())
+    # The model's own likelihood attribute is used when none is attached (as GPyTorch's fantasy models read it).
+    model.likelihood = likelihood
+    strategy.likelihood = None
+    assert strategy.likelihood is likelihood
+
+
+def test_the_old_argument_order_still_works_with_a_deprecation_warning():
+    X, y, Z = problem()
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    new = RecursiveGP(Z, likelihood, "pep", 0.5, jitter_val=1e-8).double()
+    for old_arguments in [(likelihood, "pep", 0.5), (likelihood,)]:
+        model = RecursiveGP(Z, None).double()
+        with pytest.warns(DeprecationWarning, match="GPyTorch's order"):
+            strategy = KalmanVariationalStrategy(model, Z, *old_arguments, jitter_val=1e-8)
+        assert strategy.likelihood is likelihood and strategy.jitter_val == 1e-8
+        expected = ("pep", 0.5) if len(old_arguments) > 1 else ("vfe", None)
+        assert (strategy.approximation, strategy.alpha) == expected
+    model.variational_strategy = strategy
+    new.load_state_dict(model.state_dict())
+    assert set(model.state_dict()) == set(new.state_dict())
 
 
 @pytest.mark.parametrize(
@@ -344,3 +388,19 @@ def test_of_model_finds_the_strategy_and_checks_the_likelihood():
         KalmanVariationalStrategy.of_model(model, gpytorch.likelihoods.GaussianLikelihood(), "Caller")
     with pytest.raises(TypeError, match="Caller needs a model whose variational_strategy is a KalmanVariational"):
         KalmanVariationalStrategy.of_model(torch.nn.Module(), likelihood, "Caller")
+
+
+def test_a_training_step_at_the_prior_names_the_update_call():
+    # GPyTorch's loop with only the strategy swapped in: the first step fails instead of fitting to the prior.
+    X, y, Z = problem()
+    model, likelihood = make_model(Z)
+    model.train()
+    with pytest.raises(RuntimeError, match=r"update\(x_batch, y_batch, likelihood\).*reset\(\)"):
+        model(X)
+    with torch.no_grad():  # predictions from the prior without gradients (and prior=True) stay possible
+        model(X)
+    model(X, prior=True)
+    model.variational_strategy.update(X[:12], y[:12])
+    mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=60)
+    (-mll(model(X[:12]), y[:12])).backward()
+    assert model.variational_strategy.inducing_points.grad.abs().sum() > 0

@@ -11,19 +11,30 @@ from ..gpytorch_compat import VariationalDistributionBase
 _STATE_BUFFERS = ("information_vector", "information_matrix", "bound", "num_observed")
 
 
-class _KalmanState(VariationalDistributionBase):
+class KalmanVariationalDistribution(VariationalDistributionBase):
     r"""
     What a :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` has absorbed: the data part of its
     information-form state in the transformed coordinates :math:`\tilde{\mathbf u} = \mathbf K_{\mathbf{uu}}^{-1}
     \mathbf u` (``information_vector`` :math:`\tilde{\boldsymbol\eta} = \sum_k \mathbf K_{\mathbf uk}\mathbf V_k^{-1}
     \mathbf y_k`, ``information_matrix`` :math:`\tilde{\boldsymbol\Lambda} - \mathbf K_{\mathbf{uu}} = \sum_k
     \mathbf K_{\mathbf uk}\mathbf V_k^{-1}\mathbf K_{k\mathbf u}`), the running bound :math:`\sum_k\psi_k` and the
-    number of points absorbed.
+    number of points absorbed (Schuerch et al. 2020, Sec. 3.2; :ref:`derivations-information-form`).
 
-    GPyTorch's strategies need a variational distribution; this one has no parameters (nothing here is trained by
+    It takes the variational-distribution slot of GPyTorch's strategy constructors, ``strategy_cls(model,
+    inducing_points, variational_distribution, ...)``, so that the strategy is built as any other (also by
+    :class:`gpytorch.test.VariationalTestCase` and BoTorch). It has no parameters (nothing here is trained by
     gradients), only buffers, which round-trip through ``state_dict``. They stay float64 whatever dtype the model is
     converted to (``.to(device)`` moves them), so that a stream survives ``model.float()`` and back unchanged. All
     zeros is the prior.
+
+    :param num_inducing_points: Number :math:`M` of inducing points.
+    :param batch_shape: Batch shape of independent latents.
+
+    Example:
+        >>> from gpytorch_decoupled.variational import KalmanVariationalDistribution
+        >>> state = KalmanVariationalDistribution(num_inducing_points=20, batch_shape=torch.Size([2]))
+        >>> state.information_vector.shape, state.information_matrix.dtype, int(state.num_observed)
+        (torch.Size([2, 20]), torch.float64, 0)
     """
 
     def __init__(self, num_inducing_points: int, batch_shape: torch.Size = torch.Size([])):
