@@ -41,10 +41,11 @@ suite: install
 smoke-notebooks: install
 	CI=$${CI:-true} $(PYTEST) --nbmake notebooks
 
-# The data directories (an empty one instead of $$GPYTORCH_DECOUPLED_DATA, no ../shared/data fallback) hidden.
+# Every place data could be found hidden: an empty data directory and download cache, no ../shared/data fallback.
 suite-without-data: install
 	mkdir -p $(NO_DATA_DIR)
-	GPYTORCH_DECOUPLED_DATA=$(NO_DATA_DIR) GPYTORCH_DECOUPLED_SHARED_FALLBACK=0 $(MAKE) suite
+	GPYTORCH_DECOUPLED_DATA=$(NO_DATA_DIR) GPYTORCH_DECOUPLED_CACHE=$(NO_DATA_DIR) GPYTORCH_DECOUPLED_SHARED_FALLBACK=0 \
+		$(MAKE) suite
 
 format: install
 	$(BIN)/ruff check --fix .

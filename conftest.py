@@ -1,5 +1,5 @@
 """
-Wiring shared by the tests, the doctests and the notebooks: the ``data`` marker.
+Wiring shared by the tests, the doctests and the notebooks: no downloads, and the ``data`` marker.
 
 A test that reads a data set the package does not embed carries ``@pytest.mark.data("kin40k")`` (several names, and
 ``source="gal"`` for a copy other than the default, are accepted). Where the set is not found as
@@ -12,12 +12,23 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 from functools import cache
 from pathlib import Path
 
 import pytest
 
 from gpytorch_decoupled import datasets
+
+CLOSED_PORT_URL = "http://127.0.0.1:9"  # the discard port: nothing listens there on a test machine
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Tests never reach the internet: loading an absent set fails instead of downloading it, and a download that a
+    # test asks for without a mirror of its own goes to a closed local port. Set before the notebooks' kernels and
+    # the xdist workers start, which inherit it.
+    os.environ[datasets.DOWNLOAD_ENV_VAR] = "0"
+    os.environ.setdefault(datasets.MIRROR_ENV_VAR, CLOSED_PORT_URL)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -105,6 +105,7 @@ def test_wheel_ships_every_module_and_the_embedded_data_and_nothing_else(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     data = "gpytorch_decoupled/datasets/data/elevators/"
     assert {data + "data.csv.gz", data + "test_mask.csv.gz", data + "LICENSE.txt"} <= names
+    assert "gpytorch_decoupled/datasets/checksums.txt" in names  # what downloads verify against
     package = Path(gpytorch_decoupled.__file__).parent
     assert {path.relative_to(package.parent).as_posix() for path in package.rglob("*.py")} <= names
     # No benchmark harness, no tests, no notebooks: the package and its metadata only.
@@ -114,7 +115,7 @@ def test_wheel_ships_every_module_and_the_embedded_data_and_nothing_else(wheel):
 def test_wheel_requires_the_runtime_dependencies_only_and_offers_the_rest_as_extras(wheel):
     metadata = _metadata(wheel)
     assert {canonicalize_name(r.name) for r in _requirements(metadata.get_all("Requires-Dist"))} == RUNTIME_REQUIREMENTS
-    assert {"bench", "notebooks", "dev"} <= set(metadata.get_all("Provides-Extra"))
+    assert {"bench", "data", "notebooks", "dev"} <= set(metadata.get_all("Provides-Extra"))
 
     def extra(name: str) -> set[str]:
         return {
@@ -122,6 +123,7 @@ def test_wheel_requires_the_runtime_dependencies_only_and_offers_the_rest_as_ext
         } - RUNTIME_REQUIREMENTS
 
     assert {"matplotlib", "scikit-learn"} <= extra("bench") <= extra("dev")
+    assert extra("data") == {"pooch"} and extra("data") <= extra("dev")
     assert extra("notebooks") - {"jupyter"} <= extra("dev")  # the notebooks run headless in `make test`
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 _EVANS_COMMIT = "f0737523712fe66a1640e4b980b927e8490b58eb"
 _GAL_COMMIT = "6eb4497628d12b0f300f4b4f6bdc386bebad565c"
+_TSVGP_COMMIT = "bfa6119ad071ca191d7a413e09b33811c18be533"
 _EVANS_LICENSE = (
     "MIT (Copyright (c) 2022 Trefor Evans) for the treforevans/uci_datasets repository; the underlying data come "
     "from the UCI Machine Learning Repository / Delve (see the data set's own page for its terms)."
@@ -111,7 +112,7 @@ def _tsvgp(name: str, title: str, n: int, d: int, file: str, upstream: str) -> D
         d=d,
         num_splits=5,
         file=f"{name}/{file}",
-        description=f"{title}. GitHub AaltoML/t-SVGP, experiments/data/{upstream}. {_TSVGP_PROTOCOL}",
+        description=f"{title}. GitHub AaltoML/t-SVGP @ {_TSVGP_COMMIT}, experiments/data/{upstream}. {_TSVGP_PROTOCOL}",
         license=_TSVGP_LICENSE,
     )
 
