@@ -5,7 +5,7 @@ import os
 import numpy as np
 import torch
 
-from ._checks import check_flag
+from ._checks import check_device, check_dtype, check_flag, check_split
 from .downloads import download as download_set
 from .locations import DOWNLOAD_ENV_VAR, env_flag, locate
 from .readers import READERS
@@ -55,8 +55,9 @@ def load(
     :param source: (Default: None) Which copy and splits, e.g. ``"gal"`` or ``"evans"``; ``None`` picks the default.
     :param download: (Default: None) Whether to download a set that is found nowhere: ``None`` downloads unless the
         :envvar:`GPYTORCH_DECOUPLED_DOWNLOAD` environment variable is ``0`` (the test suite sets it).
-    :raises TypeError: If ``download`` is not a bool.
-    :raises ValueError: If the name or source is unknown or the split is out of range.
+    :raises TypeError: If an argument has the wrong type, e.g. a ``split`` that is not an int or a ``dtype`` that is
+        not floating point (it would truncate the standardized data).
+    :raises ValueError: If the name or source is unknown, the split is out of range or the device is unusable.
     :raises FileNotFoundError: If the set is found nowhere and may not be downloaded; the message lists where it
         looked and says how to get the files.
     :raises ModuleNotFoundError: If the set must be downloaded and pooch is not installed.
@@ -72,11 +73,9 @@ def load(
         >>> mean_in_ppm = datasets.load("co2").unstandardize_y(torch.zeros(3))  # doctest: +SKIP
     """
     entry = info(name, source)
-    if not 0 <= split < entry.num_splits:
-        raise ValueError(
-            f"split must be in 0..{entry.num_splits - 1} for {entry.name!r} (source {entry.source!r}), got {split}."
-        )
-    dtype = torch.get_default_dtype() if dtype is None else dtype
+    split = check_split(split, entry.name, entry.source, entry.num_splits)
+    dtype = check_dtype(dtype)
+    device = check_device(device)
     download = env_flag(DOWNLOAD_ENV_VAR) if download is None else check_flag("download", download)
     try:
         path = locate(name, source, data_dir)

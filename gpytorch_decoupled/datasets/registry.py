@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._checks import check_name, check_source
+
 _EVANS_COMMIT = "f0737523712fe66a1640e4b980b927e8490b58eb"
 _GAL_COMMIT = "6eb4497628d12b0f300f4b4f6bdc386bebad565c"
 _TSVGP_COMMIT = "bfa6119ad071ca191d7a413e09b33811c18be533"
@@ -231,6 +233,8 @@ def sources(name: str) -> list[str]:
     The sources (copies) known for a data set, default first.
 
     :param name: Data set name or alias.
+    :raises TypeError: If the name is not a string.
+    :raises ValueError: If the name is unknown.
 
     Example:
         >>> from gpytorch_decoupled import datasets
@@ -246,6 +250,7 @@ def info(name: str, source: str | None = None) -> DatasetInfo:
 
     :param name: Data set name or alias.
     :param source: (Default: None) Which copy; ``None`` picks the default (the first of :func:`sources`).
+    :raises TypeError: If the name or the source is not a string.
     :raises ValueError: If the name or the source is unknown.
 
     Example:
@@ -254,7 +259,7 @@ def info(name: str, source: str | None = None) -> DatasetInfo:
         10
     """
     by_source = _SOURCES[_canonical(name)]
-    if source is None:
+    if check_source(source) is None:
         return next(iter(by_source.values()))
     if source not in by_source:
         raise ValueError(f"Data set {name!r} has no source {source!r}; its sources are {list(by_source)}.")
@@ -262,7 +267,7 @@ def info(name: str, source: str | None = None) -> DatasetInfo:
 
 
 def _canonical(name: str) -> str:
-    name = _ALIASES.get(name, name)
+    name = _ALIASES.get(check_name(name), name)
     if name not in _SOURCES:
         raise ValueError(f"Unknown data set {name!r}. Available: {', '.join(available())}.")
     return name

@@ -77,7 +77,12 @@ class Split:
         :param mean: Standardized values (targets or a predictive mean), broadcastable against :attr:`y_mean`.
         :param var: (Default: None) A predictive variance in standardized units.
         :return: The mean in original units, or ``(mean, var)`` in original units when ``var`` is given.
+        :raises TypeError: If ``mean`` or ``var`` is not a floating point tensor.
         """
+        for argument, value in (("mean", mean), ("var", var)):
+            if value is not None and not (isinstance(value, Tensor) and value.is_floating_point()):
+                kind = f"{value.dtype} tensor" if isinstance(value, Tensor) else type(value).__name__
+                raise TypeError(f"{argument} must be a floating point torch.Tensor, got a {kind}.")
         mean = mean * self.y_std + self.y_mean
         if var is None:
             return mean

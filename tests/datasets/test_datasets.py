@@ -299,3 +299,81 @@ class TestDataDirectories:
         monkeypatch.setenv(datasets.DATA_ENV_VAR, f"{first}{os.pathsep}{second}")
         assert datasets.data_dirs() == [first, second]
         assert datasets.locate("pima") == (second / "pima" / "tsvgp_diabetes.csv").resolve()
+
+
+class TestArguments:
+    """Every argument of the public data set functions is checked before any file is read."""
+
+    @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.uint8])
+    def test_dtype_must_be_floating(self, dtype):
+        with pytest.raises(TypeError, match=f"dtype must be a floating point torch.dtype.*got {dtype}"):
+            datasets.load("elevators", dtype=dtype)
+
+    @pytest.mark.parametrize("dtype", ["float64", np.float64, 64])
+    def test_dtype_must_be_a_torch_dtype(self, dtype):
+        with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+            datasets.load("elevators", dtype=dtype)
+
+    @pytest.mark.parametrize("split", [1.5, 1.0, "1", True, None, torch.tensor([1, 2])])
+    def test_split_must_be_an_int(self, split):
+        with pytest.raises(TypeError, match="split must be an int"):
+            datasets.load("elevators", split=split)
+
+    def test_split_accepts_integer_scalars(self):
+        by_int = datasets.load("elevators", split=2, dtype=torch.float64)
+        for split in (np.int64(2), torch.tensor(2)):
+            assert torch.equal(datasets.load("elevators", split=split, dtype=torch.float64).test_x, by_int.test_x)
+
+    @pytest.mark.parametrize("name", [3, None, ("kin40k",)])
+    def test_name_must_be_a_string(self, name):
+        for function in (datasets.load, datasets.info, datasets.sources, datasets.locate, datasets.files):
+            with pytest.raises(TypeError, match="name must be a data set name"):
+                function(name)
+
+    def test_unknown_names_list_the_known_ones(self):
+        for function in (datasets.load, datasets.info, datasets.sources, datasets.locate, datasets.files):
+            with pytest.raises(ValueError, match="Unknown data set 'kin41k'. Available: airfoil, .*kin40k"):
+                function("kin41k")
+
+    def test_source_must_be_a_string(self):
+        with pytest.raises(TypeError, match="source must be None or a source name"):
+            datasets.load("elevators", source=0)
+        with pytest.raises(ValueError, match="sources are \\['evans'\\]"):
+            datasets.locate("elevators", source="gal")
+
+    @pytest.mark.parametrize("data_dir", [3, ["/data"], b"/data"])
+    def test_data_dir_must_be_a_path(self, data_dir):
+        with pytest.raises(TypeError, match="data_dir must be a directory"):
+            datasets.load("elevators", data_dir=data_dir)
+        with pytest.raises(TypeError, match="data_dir must be a directory"):
+            datasets.data_dirs(data_dir)
+
+    def test_cache_dir_must_be_a_path(self):
+        with pytest.raises(TypeError, match="cache_dir must be a directory"):
+            datasets.cache_dir(3)
+
+    @pytest.mark.parametrize("device,error", [(1.5, TypeError), (True, TypeError), ("gpu:banana", ValueError)])
+    def test_device_must_be_a_device(self, device, error):
+        with pytest.raises(error, match="device"):
+            datasets.load("elevators", device=device)
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no CUDA device is present")
+    def test_an_unavailable_device_fails_before_reading(self, monkeypatch):
+        def no_reading(*args):
+            raise AssertionError("a file was read")
+
+        monkeypatch.setitem(datasets.loader.READERS, "evans", no_reading)
+        with pytest.raises(ValueError, match="device 'cuda' is not a usable torch device"):
+            datasets.load("elevators", device="cuda")
+
+    @pytest.mark.parametrize("download", ["yes", 1, 0])
+    def test_download_must_be_a_bool(self, download):
+        with pytest.raises(TypeError, match="download must be True or False"):
+            datasets.load("elevators", download=download)
+
+    def test_unstandardize_y_takes_floating_tensors(self):
+        data = datasets.load("elevators", dtype=torch.float64)
+        with pytest.raises(TypeError, match="mean must be a floating point torch.Tensor, got a ndarray"):
+            data.unstandardize_y(data.test_y.numpy())
+        with pytest.raises(TypeError, match="var must be a floating point torch.Tensor, got a torch.int64 tensor"):
+            data.unstandardize_y(data.test_y, torch.ones(3, dtype=torch.int64))

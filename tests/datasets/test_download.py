@@ -195,6 +195,8 @@ class TestDownload:
     @pytest.mark.parametrize(
         "kwargs,error,match",
         [
+            ({"name": 3}, TypeError, "name must be"),
+            ({"source": 1}, TypeError, "source must be"),
             ({"cache_dir": 3}, TypeError, "cache_dir must be"),
             ({"mirror": "ftp://example.org"}, ValueError, "mirror must be an http"),
             ({"progress": "yes"}, TypeError, "progress must be True or False"),
