@@ -17,7 +17,7 @@ from gpytorch.utils.warnings import NumericalWarning
 
 from gpytorch_decoupled.variational import DecoupledVariationalDistribution, DecoupledVariationalStrategy
 from gpytorch_decoupled.variational import decoupled_variational_strategy as decoupled_module
-from tests.strategy_contract_test_case import DecoupledStrategyContractTestCase
+from tests.variational.decoupled_contract_test_case import DecoupledStrategyContractTestCase
 from tests.variational.mean_basis_cases import assert_same_caches, cache_snapshot, eval_process
 
 F64 = torch.float64

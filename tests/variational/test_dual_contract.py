@@ -40,7 +40,7 @@ from tests.float64_problems import (
 )
 from tests.oracles import gaussian_kl, titsias_optimal_qu
 from tests.oracles.dual import dual_qu_from_sites
-from tests.strategy_contract_test_case import DecoupledStrategyContractTestCase
+from tests.variational.decoupled_contract_test_case import DecoupledStrategyContractTestCase
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

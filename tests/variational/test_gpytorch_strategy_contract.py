@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gpytorch_decoupled.gpytorch_compat import cache_safe
+from gpytorch_decoupled.test import StrategyContractTestCase
 from gpytorch_decoupled.variational import FastNaturalVariationalDistribution
-from tests.strategy_contract_test_case import StrategyContractTestCase
 
 
 class TestGPyTorchVariationalStrategyContract(StrategyContractTestCase, unittest.TestCase):

@@ -18,7 +18,7 @@ from gpytorch_decoupled.variational import (
     OrthogonallyDecoupledVariationalStrategy,
     convert_mean_basis,
 )
-from tests.strategy_contract_test_case import DecoupledStrategyContractTestCase, residual_mean_strategy
+from tests.variational.decoupled_contract_test_case import DecoupledStrategyContractTestCase, residual_mean_strategy
 from tests.variational.mean_basis_cases import assert_same_process, eval_process, set_whitened_q
 
 F64 = torch.float64

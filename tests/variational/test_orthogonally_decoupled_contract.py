@@ -8,7 +8,7 @@ import gpytorch
 import torch
 
 from gpytorch_decoupled.variational import FastNaturalVariationalDistribution, OrthogonallyDecoupledVariationalStrategy
-from tests.strategy_contract_test_case import DecoupledStrategyContractTestCase, residual_mean_strategy
+from tests.variational.decoupled_contract_test_case import DecoupledStrategyContractTestCase, residual_mean_strategy
 
 orthogonal_strategy = partial(residual_mean_strategy, OrthogonallyDecoupledVariationalStrategy)
 

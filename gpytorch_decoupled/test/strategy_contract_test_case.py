@@ -1,31 +1,3 @@
-"""The GPyTorch contract every variational strategy of this package must honour.
-
-:class:`StrategyContractTestCase` extends :class:`gpytorch.test.VariationalTestCase` (gradients reach every parameter,
-batch shapes, eval caching, fantasy models) with what GPyTorch's own suite does not check and what users rely on:
-``state_dict`` round trips, pickling and deep copies with warm caches, float64, ``.to(dtype)`` / ``.to(device)`` after
-an eval pass (GPyTorch issues #1619/#1859: stale caches), ``model(x, prior=True)``, and wrapping in
-IndependentMultitask / LMC with the strategy's own KL (see ``shared/notes/gpytorch_contract.md`` §1.7).
-
-Usage, exactly as GPyTorch's own variational tests::
-
-    class TestMyStrategy(StrategyContractTestCase, unittest.TestCase):
-        @property
-        def batch_shape(self):
-            return torch.Size([])
-
-        @property
-        def distribution_cls(self):
-            return MyVariationalDistribution
-
-        @property
-        def mll_cls(self):
-            return gpytorch.mlls.VariationalELBO
-
-        @property
-        def strategy_cls(self):
-            return MyVariationalStrategy  # or a factory with the signature (model, Z, q, learn_inducing_locations)
-"""
-
 from __future__ import annotations
 
 import copy
@@ -33,34 +5,61 @@ import pickle
 import unittest
 
 import gpytorch
-import pytest
 import torch
 from gpytorch.test.variational_test_case import VariationalTestCase
 
-from gpytorch_decoupled.variational import IndependentMultitaskVariationalStrategy, LMCVariationalStrategy
+from ..variational import IndependentMultitaskVariationalStrategy, LMCVariationalStrategy
+from .contract_svgp_model import ContractSVGPModel
 
+# pytest is not needed (the installed-wheel test imports this module without it): where it is present, its mark lets
+# `pytest -m cuda` select the device test; without CUDA, unittest skips that test either way.
+try:
+    from pytest import mark
 
-class ContractSVGPModel(gpytorch.models.ApproximateGP):
-    """The test model of :class:`gpytorch.test.VariationalTestCase`, at module level so that it can be pickled."""
+    _cuda = mark.cuda
+except ImportError:
 
-    def __init__(self, inducing_points, strategy_cls, distribution_cls, batch_shape, constant_mean):
-        variational_distribution = distribution_cls(inducing_points.size(-2), batch_shape=batch_shape)
-        variational_strategy = strategy_cls(
-            self, inducing_points, variational_distribution, learn_inducing_locations=True
-        )
-        super().__init__(variational_strategy)
-        if constant_mean:
-            self.mean_module = gpytorch.means.ConstantMean()
-            self.mean_module.initialize(constant=1.0)
-        else:
-            self.mean_module = gpytorch.means.ZeroMean()
-        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+    def _cuda(test):
+        return test
 
 
 class StrategyContractTestCase(VariationalTestCase):
+    r"""
+    The GPyTorch contract a variational strategy must honour, as a test case to mix into :class:`unittest.TestCase`.
+
+    It extends :class:`gpytorch.test.VariationalTestCase` (gradients reach every parameter, batch shapes, eval
+    caching, fantasy models) with what GPyTorch's own suite does not check and what users rely on: ``state_dict``
+    round trips, pickling and deep copies with warm eval caches and right after a training step, float64,
+    ``.to(dtype)`` / ``.to(device)`` after an eval pass (stale caches, GPyTorch issues #1619 and #1859),
+    ``model(x, prior=True)``, and wrapping in
+    :class:`~gpytorch_decoupled.variational.IndependentMultitaskVariationalStrategy` and
+    :class:`~gpytorch_decoupled.variational.LMCVariationalStrategy`, whose ELBO must use the strategy's own
+    :meth:`kl_divergence` (GPyTorch's wrappers compute it from the base's ``variational_distribution``, which is
+    wrong for every strategy with a KL of its own). Every strategy of this package passes it.
+
+    A subclass names the strategy under test, as for GPyTorch's case: ``strategy_cls`` (a class, or a factory with
+    the signature ``(model, inducing_points, variational_distribution, learn_inducing_locations)``),
+    ``distribution_cls``, ``mll_cls`` and ``batch_shape`` (class attributes or properties). The test model is
+    :class:`~gpytorch_decoupled.test.ContractSVGPModel`. Tests of behaviour a strategy does not support (e.g. no
+    fantasy model) are overridden in the subclass, e.g. to assert the error it raises.
+
+    Example:
+        A test module for a strategy of your own (here GPyTorch's, so that the example runs anywhere); pytest or
+        ``python -m unittest`` collects every test of the contract:
+
+        >>> import io, unittest
+        >>> import gpytorch, torch
+        >>> from gpytorch_decoupled.test import StrategyContractTestCase
+        >>> class TestMyStrategy(StrategyContractTestCase, unittest.TestCase):
+        ...     strategy_cls = gpytorch.variational.VariationalStrategy  # yours here
+        ...     distribution_cls = gpytorch.variational.CholeskyVariationalDistribution
+        ...     mll_cls = gpytorch.mlls.VariationalELBO
+        ...     batch_shape = torch.Size([])
+        >>> runner = unittest.TextTestRunner(stream=io.StringIO())
+        >>> runner.run(TestMyStrategy("test_state_dict_round_trip")).wasSuccessful()
+        True
+    """
+
     seed = 0
     num_tasks = 2
     num_latents = 3
@@ -178,7 +177,7 @@ class StrategyContractTestCase(VariationalTestCase):
         self.assertEqual(converted[0].dtype, torch.float64)
         self._assert_same_prediction(converted, self._predict(reference, test_x), rtol=1e-10, atol=1e-12)
 
-    @pytest.mark.cuda
+    @_cuda
     @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
     def test_to_device_after_eval(self):
         model, _ = self._fitted_model()
@@ -230,48 +229,3 @@ class StrategyContractTestCase(VariationalTestCase):
 
     def test_lmc_wrapping_uses_strategy_kl(self):
         self._check_wrapped_kl("lmc", reduce_dim=-1)
-
-
-class DecoupledStrategyContractTestCase(StrategyContractTestCase):
-    """
-    The contract for this package's decoupled strategies (Decoupled, Hybrid, ODVGP): defaults for the test matrix,
-    no iterative solver anywhere (every factorization is an explicit Cholesky), and no fantasy model (online
-    variational conditioning is defined for the single-basis SVGP only). Subclasses name ``strategy_cls``.
-    """
-
-    @property
-    def batch_shape(self):
-        return torch.Size([])
-
-    @property
-    def distribution_cls(self):
-        return gpytorch.variational.CholeskyVariationalDistribution
-
-    @property
-    def mll_cls(self):
-        return gpytorch.mlls.VariationalELBO
-
-    def test_training_iteration(self, *args, **kwargs):
-        cg_mock, cholesky_mock, ciq_mock = super().test_training_iteration(*args, **kwargs)
-        self.assertFalse(cg_mock.called)
-        self.assertFalse(ciq_mock.called)
-
-    def test_eval_iteration(self, *args, **kwargs):
-        cg_mock, cholesky_mock, ciq_mock = super().test_eval_iteration(*args, **kwargs)
-        self.assertFalse(cg_mock.called)
-        self.assertFalse(ciq_mock.called)
-
-    def test_fantasy_call(self, *args, **kwargs):
-        with self.assertRaises(NotImplementedError):
-            super().test_fantasy_call(*args, **kwargs)
-
-
-def residual_mean_strategy(
-    strategy_cls, model, inducing_points, variational_distribution, learn_inducing_locations=True
-):
-    """A test-case factory (bind ``strategy_cls`` with :func:`functools.partial`): a hybrid or orthogonal strategy
-    with a mean basis of 24 points next to the 16 covariance points of the contract's model."""
-    mean_inducing_points = torch.randn(24, inducing_points.size(-1), dtype=inducing_points.dtype)
-    return strategy_cls(
-        model, inducing_points, variational_distribution, mean_inducing_points, learn_inducing_locations
-    )
