@@ -1,7 +1,7 @@
 """User-facing text cites the papers (author, year, section, equation) or a named section of ``docs/derivations.md``,
 never the project's internal specification, which users do not have: no "spec §4.7", "spec eq. 49", "spec A.3",
 "spec B.1 table", "spec identity T9", "spec part C" or "the spec's ..." in the package, the benchmark
-harness, the notebooks or the docs."""
+harness and its results (read by the docs), the notebooks or the docs."""
 
 import re
 from pathlib import Path
@@ -24,6 +24,7 @@ USER_FACING = sorted(
     for path in [
         *(ROOT / "gpytorch_decoupled").rglob("*.py"),
         *(ROOT / "benchmarks").rglob("*.py"),
+        *(ROOT / "benchmarks" / "results").glob("*.json"),
         *(ROOT / "notebooks").glob("*.ipynb"),
         *DOCS,
     ]
