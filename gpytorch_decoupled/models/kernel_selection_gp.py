@@ -6,7 +6,6 @@ import torch
 from gpytorch import Module
 from gpytorch.likelihoods import GaussianLikelihood, Likelihood
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ..gpytorch_compat import GaussianLikelihoodBase
 from ..kernels import CandidateKernelBank, KernelExpression, KernelSpace
@@ -225,7 +224,12 @@ class KernelSelectionGP(Module):
         parameters = [p for name, p in self.named_parameters() if not name.startswith("kernel_belief.")]
         optimizer = torch.optim.Adam(parameters, lr=lr)
         trace = torch.empty(num_iterations, self.num_candidates, dtype=y.dtype)
-        for iteration in tqdm(range(num_iterations), desc="VBKS local ELBOs", disable=not progress):
+        iterations = range(num_iterations)
+        if progress:  # imported only here: in Jupyter without ipywidgets, importing tqdm.auto prints a warning
+            from tqdm.auto import tqdm
+
+            iterations = tqdm(iterations, desc="VBKS local ELBOs")
+        for iteration in iterations:
             batch = torch.randint(num_data, (batch_size,), generator=generator, device="cpu").to(y.device)
             optimizer.zero_grad()
             expected_log_likelihood, kl = self._local_elbo_terms(x[batch], y[batch], num_data)
