@@ -20,6 +20,7 @@ from .orthogonal_speed_benchmark import ORTHOGONAL_SPEED
 from .recursive_benchmark import RECURSIVE
 from .run_config import RunConfig
 from .runner import compare, train_and_evaluate
+from .srgp_step_benchmark import SRGP_STEP
 
 BENCHMARKS: dict[str, Benchmark] = {
     benchmark.name: benchmark
@@ -31,6 +32,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         DECOUPLED_ACCURACY,
         DUAL,
         RECURSIVE,
+        SRGP_STEP,
         KERNEL_SELECTION,
         DISTRIBUTED,
     )

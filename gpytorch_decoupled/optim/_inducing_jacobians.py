@@ -59,21 +59,6 @@ class InducingJacobians:
         self.values.add_(other.values)
         self.rows.add_(other.rows)
 
-    def add_axes_(self, start: int, derivatives: Tensor, features: Tensor, targets: Tensor, scale: Tensor) -> None:
-        r"""
-        Adds a mini-batch's terms of the coordinates ``start, start + 1, ...`` of every inducing input.
-
-        :param derivatives: ``(k, *batch, M, B)``: row :math:`m` of slice :math:`j` is
-            :math:`\mathbf c_{m,\text{start}+j}`.
-        :param features: :math:`\mathbf V_k^{-1/2}\mathbf K_{k\mathbf u}`, ``(*batch, B, M)``.
-        :param targets: :math:`\mathbf V_k^{-1/2}\mathbf r_k`, ``(*batch, B)``.
-        :param scale: :math:`\sigma^{-1}`, broadcastable to ``(*batch)``.
-        """
-        stop = start + derivatives.size(0)
-        whitened = derivatives * scale.unsqueeze(-1).unsqueeze(-1)  # V^{-1/2} c, rows of (k, *batch, M, B)
-        self.rows[..., start:stop, :] += (whitened @ features).movedim(0, -2)
-        self.values[..., start:stop] += (whitened @ targets.unsqueeze(-1)).squeeze(-1).movedim(0, -1)
-
     def directional(self, direction: Tensor) -> tuple[Tensor, Tensor]:
         """The derivatives of the statistics (``(*batch, M)`` and ``(*batch, M, M)``) along ``direction``, a tangent
         of the inducing inputs, ``(*batch, M, D)``."""

@@ -10,19 +10,25 @@ from gpytorch.models import ApproximateGP
 from torch import Tensor
 from torch.func import functional_call, jvp, vmap
 
-from ..variational import KalmanVariationalStrategy
+from ..variational import KalmanIncrements, KalmanVariationalStrategy
 from ._inducing_jacobians import STRUCTURED_APPROXIMATIONS, InducingJacobians
 
 PROPAGATE = ("full", "hyperparameters", "none")
+PRIORS = ("frozen", "current")
 
 # Elements of the per-chunk Jacobian intermediates (float64: 128 MiB) that the automatic chunk size aims for.
 _CHUNK_ELEMENTS = 2**24
+# The same for the kernel tangents of VFE and DTC (float64: 16 MiB): chunks of them that stay in cache take half the
+# time of larger ones (M = 100, B = 1000, one thread).
+_CACHED_ELEMENTS = 2**21
 
 
 class _Increments(torch.nn.Module):
     r"""The model and likelihood as submodules, so that :func:`torch.func.functional_call` swaps their parameters;
-    the forward pass is a mini-batch's information increments (the packed upper triangle of the matrix), or without
-    ``rows`` its float64 cross-covariance :math:`\mathbf K_{\mathbf uk}`."""
+    the forward pass is a mini-batch's information increments (the packed upper triangle of the matrix), without ``x``
+    the jittered float64 :math:`\mathbf K_{\mathbf{uu}}`, or without ``y`` what the increments of VFE and DTC are
+    made of: :math:`\mathbf K_{\mathbf uk}`, :math:`\mu_0(\mathbf X_k)`
+    and :math:`\sigma^2`, in the model's dtype."""
 
     def __init__(self, model: ApproximateGP, likelihood: GaussianLikelihood):
         super().__init__()
@@ -30,11 +36,13 @@ class _Increments(torch.nn.Module):
         self.likelihood = likelihood
 
     def forward(
-        self, x: Tensor, y: Tensor, rows: Tensor | None = None, cols: Tensor | None = None
-    ) -> tuple[Tensor, Tensor] | Tensor:
+        self, x: Tensor | None = None, y: Tensor | None = None, rows: Tensor | None = None, cols: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, ...]:
         strategy = self.model.variational_strategy
-        if rows is None:
-            return strategy.inducing_data_covariance(x)
+        if x is None:
+            return strategy.inducing_covariance()
+        if y is None:
+            return (*strategy.data_prior(x), self.likelihood.noise[..., 0])
         terms, _ = strategy.observation_terms(x, y)
         return terms.information_vector, terms.information_matrix[..., rows, cols]
 
@@ -70,11 +78,20 @@ class RecursiveGradientPropagation:
     :meth:`start_epoch` resets the strategy and the Jacobians at the current :math:`\theta` (call it before each
     pass over the data). At a fixed :math:`\theta` (learning rate 0), the gradients of an epoch sum to the exact
     gradient of the batch bound (Proposition 1). While :math:`\theta` moves, each mini-batch's statistics stay those of
-    the :math:`\theta` at which it was absorbed, as in the paper; the prior :math:`\mathbf K_{\mathbf{uu}}` of the state
-    is always the current one (the reference code freezes it at the epoch start). The stochastic gradient is that of
-    one term; Adam is invariant to its scale, plain SGD wants a learning rate :math:`K_b` times larger. For predictions
-    after training, one more pass at the final :math:`\theta` (``strategy.reset()`` and ``strategy.update`` per
-    mini-batch) gives the exact posterior.
+    the :math:`\theta` at which it was absorbed, as in the paper. ``prior`` chooses the prior
+    :math:`\mathbf K_{\mathbf{uu}}` of the state: ``"frozen"`` (default) takes it at the :math:`\theta` of the epoch's
+    start, as the authors' code does (its initial Jacobian :math:`-\mathbf K^{-1}\partial\mathbf K\mathbf K^{-1}` is
+    kept for the whole epoch), so that the state is one consistent function of the parameters at which each of its
+    parts was computed; ``"current"`` re-evaluates it at the current :math:`\theta` at every step, which mixes a prior
+    at new hyperparameters with statistics absorbed at old ones (:ref:`derivations-srgp-prior`). Either way the
+    gradient is exact for the state as defined: the oracle test unrolls it with automatic differentiation. Because
+    the state mixes parameters, a large step shows as a bound term far below the epoch's others or as hyperparameters
+    far from their values at the epoch's start; :meth:`step` warns (once per epoch each) when a term per datum falls
+    more than ``bound_tolerance`` times :math:`\max(1, |\text{mean}|)` below the epoch's mean so far, or a raw
+    hyperparameter (not the inducing inputs) moves more than ``drift_tolerance`` from its value at the epoch's start.
+    The stochastic gradient is that of one term; Adam is invariant to its scale, plain SGD wants a learning rate
+    :math:`K_b` times larger. For predictions after training, one more pass at the final :math:`\theta`
+    (``strategy.reset()`` and ``strategy.update`` per mini-batch) gives the exact posterior.
 
     **Memory, time and the cheaper variants.** With :math:`P` propagated scalar parameters (for SE-ARD with learned
     inducing inputs :math:`P = Md + d + 2`, plus the mean's), dense Jacobians cost :math:`M(M+1)/2 \cdot P` floats
@@ -129,7 +146,13 @@ class RecursiveGradientPropagation:
         Adam; per-group learning rates work as usual).
     :param propagate: ``"full"`` (default), ``"hyperparameters"`` or ``"none"`` (see above).
     :param chunk_size: Directions (for structured inducing inputs: input dimensions) per vectorized forward-mode
-        pass (default: chosen to keep the intermediates near 128 MiB).
+        pass (default: chosen to keep the intermediates near 16 MiB for VFE and DTC, 128 MiB for the other models).
+    :param prior: ``"frozen"`` (default) or ``"current"``: the state's prior :math:`\mathbf K_{\mathbf{uu}}` at the
+        epoch's start or at the current hyperparameters (see above).
+    :param bound_tolerance: Warn when a bound term per datum falls this far (nats; relative to the mean's magnitude
+        where that exceeds 1) below the epoch's mean so far (default 3; ``None``: never).
+    :param drift_tolerance: Warn when a raw hyperparameter moves this far from its value at the epoch's start
+        (default 1, about a factor :math:`e` of a positive hyperparameter; ``None``: never).
 
     Example:
         >>> import gpytorch, torch
@@ -171,12 +194,22 @@ class RecursiveGradientPropagation:
         optimizer: torch.optim.Optimizer,
         propagate: str = "full",
         chunk_size: int | None = None,
+        prior: str = "frozen",
+        bound_tolerance: float | None = 3.0,
+        drift_tolerance: float | None = 1.0,
     ):
         self.strategy = KalmanVariationalStrategy.of_model(model, likelihood, type(self).__name__)
         if propagate not in PROPAGATE:
             raise ValueError(f"propagate must be one of {', '.join(map(repr, PROPAGATE))}, got {propagate!r}.")
+        if prior not in PRIORS:
+            raise ValueError(f"prior must be one of {', '.join(map(repr, PRIORS))}, got {prior!r}.")
+        self.prior = prior
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}.")
+        for name, tolerance in (("bound_tolerance", bound_tolerance), ("drift_tolerance", drift_tolerance)):
+            if tolerance is not None and not tolerance > 0:
+                raise ValueError(f"{name} must be a positive number or None, got {tolerance}.")
+        self.bound_tolerance, self.drift_tolerance = bound_tolerance, drift_tolerance
         self.optimizer = optimizer
         self.propagate = propagate
         self.chunk_size = chunk_size
@@ -208,6 +241,13 @@ class RecursiveGradientPropagation:
         self._vector_jacobian: Tensor | None = None
         self._matrix_jacobian: Tensor | None = None
         self._num_observed = 0
+        # The parameters at the start of the epoch: the state's prior K_uu is taken at them (prior="frozen"), and the
+        # drift warning measures from them.
+        self._epoch_parameters: dict[str, Tensor] | None = None
+        # The epoch's bound terms per datum so far (sum and count), for the warning when one falls far below them, and
+        # whether the epoch has warned already (once per epoch and kind).
+        self._bound_per_datum = (0.0, 0)
+        self._warned: set[str] = set()
 
     def _configure(self, structured: bool) -> None:
         """Which propagated parameters have dense Jacobians: all of them, or all but the inducing inputs."""
@@ -285,6 +325,10 @@ class RecursiveGradientPropagation:
         """
         inducing = self._inducing_jacobians
         return {
+            "prior": self.prior,
+            "epoch_parameters": self._epoch_parameters,
+            "bound_per_datum": self._bound_per_datum,
+            "warned": sorted(self._warned),
             "num_observed": self._num_observed,
             "structure_allowed": self._structure_allowed,
             "structure_verified": self._structure_verified,
@@ -304,6 +348,13 @@ class RecursiveGradientPropagation:
         """
         values, rows = state_dict["inducing_jacobian_values"], state_dict["inducing_jacobian_rows"]
         vector, matrix = state_dict["vector_jacobian"], state_dict["matrix_jacobian"]
+        epoch_parameters = state_dict["epoch_parameters"]
+        if state_dict["prior"] != self.prior:
+            raise ValueError(f"the state was saved with prior={state_dict['prior']!r}, this object has {self.prior!r}.")
+        if epoch_parameters is not None:
+            expected = {name: p.shape for name, p in self._increment_module.named_parameters()}
+            if expected != {name: value.shape for name, value in epoch_parameters.items()}:
+                raise ValueError("the state's epoch parameters do not match the model's parameters (names or shapes).")
         structured = values is not None
         self._configure(structured)
         if vector is not None:
@@ -316,16 +367,45 @@ class RecursiveGradientPropagation:
                     f"{expected[1]} scalar parameters for statistics of shape {tuple(expected[0])}."
                 )
         self._num_observed = state_dict["num_observed"]
+        self._epoch_parameters = epoch_parameters
+        self._bound_per_datum = tuple(state_dict["bound_per_datum"])
+        self._warned = set(state_dict["warned"])
         self._structure_allowed = state_dict["structure_allowed"]
         self._structure_verified = state_dict["structure_verified"]
         self._vector_jacobian, self._matrix_jacobian = vector, matrix
         self._inducing_jacobians = InducingJacobians(values, rows) if structured else None
 
     def start_epoch(self) -> None:
-        """Resets the strategy to the prior and the Jacobians to zero, at the current hyperparameters."""
+        """Resets the strategy to the prior and the Jacobians to zero, at the current hyperparameters (with
+        ``prior="frozen"``, the prior of the epoch's state is fixed here)."""
         self.strategy.reset()
         self._zero_jacobians()
         self._num_observed = 0
+        self._epoch_parameters = {
+            name: parameter.detach().clone() for name, parameter in self._increment_module.named_parameters()
+        }
+        self._bound_per_datum = (0.0, 0)
+        self._warned = set()
+
+    def _state_prior(self) -> tuple[Tensor | None, dict[str, Tensor]]:
+        r"""With ``prior="frozen"``: :math:`\mathbf K_{\mathbf{uu}}` at the epoch's start, as a function of leaves
+        holding those parameters, and the leaves of the optimized parameters by parameter id (their gradient, the
+        adjoint of the prior contracted with its Jacobian at the epoch's start, is part of the total gradient, as the
+        reference code's initial Jacobian :math:`-\mathbf K^{-1}\partial\mathbf K\mathbf K^{-1}` is; it takes one
+        reverse pass through :math:`\mathbf K_{\mathbf{uu}}`, so every parameter gets it whatever ``propagate``
+        says). ``None`` with ``prior="current"``."""
+        if self.prior == "current":
+            return None, {}
+        parameters = dict(self._increment_module.named_parameters())
+        optimized = {id(parameter) for parameter in self._parameters}
+        values, leaves = {}, {}
+        for name, value in self._epoch_parameters.items():
+            value = value.detach()
+            if id(parameters[name]) in optimized:
+                value = value.requires_grad_(True)
+                leaves[id(parameters[name])] = value
+            values[name] = value
+        return functional_call(self._increment_module, values, ()), leaves
 
     def _zero_jacobians(self) -> None:
         structured = self._structured()
@@ -338,25 +418,22 @@ class RecursiveGradientPropagation:
         self._vector_jacobian = vector.new_zeros(*batch_shape, num_inducing, size)
         self._matrix_jacobian = vector.new_zeros(*batch_shape, num_inducing * (num_inducing + 1) // 2, size)
 
-    def _add_increment_jacobians(self, x: Tensor, y: Tensor, features: Tensor, targets: Tensor) -> None:
+    def _add_increment_jacobians(self, x: Tensor, y: Tensor, increments: KalmanIncrements) -> None:
         """Adds the Jacobians of a mini-batch's increments with respect to the propagated parameters to the propagated
-        ones: those of the inducing inputs in their structure (VFE, DTC), the others dense (vector and packed matrix),
-        chunk by chunk of unit directions (vectorized forward-mode passes), so that no second copy of the dense
-        Jacobians is ever held. ``features`` and ``targets`` are the mini-batch's (detached) whitened terms."""
+        ones, chunk by chunk of unit directions (vectorized forward-mode passes), so that no second copy of the dense
+        Jacobians is ever held: for VFE and DTC from the tangents of the kernel blocks alone (and those of the inducing
+        inputs in their structure), for the other models through the whole increments."""
         rows, cols = self._triangle()
         # trace_mode keeps GPyTorch's kernels off custom autograd Functions, which have no forward-mode rules.
         with torch.no_grad(), settings.trace_mode(True):
-            if self._inducing_jacobians is not None:
-                increment = self._inducing_increment(x, features, targets)
-                if not self._structure_verified:
-                    self._structure_verified = self._checked_structure(x, y, rows, cols, increment)
-                if self._inducing_jacobians is not None:
-                    self._inducing_jacobians.add_(increment)
-            self._add_dense_jacobians(x, y, rows, cols)
+            if self.strategy.approximation in STRUCTURED_APPROXIMATIONS:
+                self._add_block_jacobians(x, y, rows, cols, increments)
+            else:
+                self._add_dense_jacobians(x, y, rows, cols)
 
-    def _chunk(self, per_direction: int) -> int:
+    def _chunk(self, per_direction: int, elements: int = _CHUNK_ELEMENTS) -> int:
         batch_size = self.strategy.statistics.information_vector[..., 0].numel()
-        return self.chunk_size or max(1, _CHUNK_ELEMENTS // (batch_size * per_direction))
+        return self.chunk_size or max(1, elements // (batch_size * per_direction))
 
     def _add_dense_jacobians(self, x: Tensor, y: Tensor, rows: Tensor, cols: Tensor) -> None:
         primals = {name: parameter.detach() for name, parameter in zip(self._dense_names, self._dense_parameters)}
@@ -386,33 +463,101 @@ class RecursiveGradientPropagation:
             self._vector_jacobian[..., start:stop] += vector.movedim(0, -1)
             self._matrix_jacobian[..., start:stop] += matrix.movedim(0, -1)
 
-    def _inducing_increment(self, x: Tensor, features: Tensor, targets: Tensor) -> InducingJacobians:
-        r"""A mini-batch's structured Jacobians with respect to the inducing inputs: the derivatives
-        :math:`\mathbf c_{md}` of :math:`\mathbf K_{\mathbf uk}`, one forward-mode pass per input dimension :math:`d`
-        (its tangent moves every inducing input along axis :math:`d`; row :math:`m` of the result is
-        :math:`\mathbf c_{md}`, since row :math:`m` depends on :math:`\mathbf z_m` only)."""
+    def _add_block_jacobians(
+        self, x: Tensor, y: Tensor, rows: Tensor, cols: Tensor, increments: KalmanIncrements
+    ) -> None:
+        r"""
+        The Jacobians of VFE's and DTC's increments :math:`\Delta\tilde{\boldsymbol\Lambda}_k = \mathbf K_{\mathbf uk}
+        \mathbf K_{k\mathbf u}/\sigma^2` and :math:`\Delta\tilde{\boldsymbol\eta}_k = \mathbf K_{\mathbf uk}
+        \mathbf r_k/\sigma^2` (:math:`\mathbf r_k = \mathbf y_k - \mu_0(\mathbf X_k)`) by the product rule from the
+        tangents :math:`\dot{\mathbf K}_{\mathbf uk}`, :math:`\dot\mu_0`, :math:`\dot\sigma^2` of the kernel blocks
+        (forward mode through the kernel alone, no factorization):
+
+        .. math::
+
+            \dot{\Delta\tilde{\boldsymbol\Lambda}}_k = \frac{\dot{\mathbf K}_{\mathbf uk}\mathbf K_{k\mathbf u}
+                + \mathbf K_{\mathbf uk}\dot{\mathbf K}_{k\mathbf u}}{\sigma^2}
+                - \Delta\tilde{\boldsymbol\Lambda}_k\frac{\dot\sigma^2}{\sigma^2}, \qquad
+            \dot{\Delta\tilde{\boldsymbol\eta}}_k = \frac{\dot{\mathbf K}_{\mathbf uk}\mathbf r_k
+                - \mathbf K_{\mathbf uk}\dot\mu_0}{\sigma^2} - \Delta\tilde{\boldsymbol\eta}_k
+                \frac{\dot\sigma^2}{\sigma^2}.
+
+        The products :math:`\dot{\mathbf K}_{\mathbf uk}\mathbf K_{k\mathbf u}` (one batched matrix product over the
+        directions, :math:`O(BM^2)` each) are taken in the model's dtype and accumulated in float64, only for the
+        parameters that enter :math:`\mathbf K_{\mathbf uk}` (not for the noise or the mean). The directions are the
+        dense parameters' unit vectors, one parameter at a time, and, with structured inducing inputs, one per input
+        dimension that moves every inducing input along it: row :math:`m` of its :math:`\dot{\mathbf K}_{\mathbf uk}`
+        is :math:`\mathbf c_{md}`, so row :math:`m` of the product is :math:`\sigma^2\boldsymbol\rho_{md}` (checked
+        against a dense pass at the first mini-batch of each epoch).
+        """
         inducing_points = self.strategy.inducing_points
-        name = self._names[id(inducing_points)]
+        structured = self._inducing_jacobians is not None
+        cross, mean, noise = self._increment_module(x)
+        residual = (y - mean).unsqueeze(-1)
+        latent_shape = increments.information_vector.shape[:-1]
+        inverse_noise = noise.double().expand(latent_shape).reciprocal()
+        scale = inverse_noise.unsqueeze(-1)
+        ones = (1,) * (len(latent_shape) - noise.dim())
 
-        def cross_covariance(points: Tensor) -> Tensor:
-            return functional_call(self._increment_module, {name: points}, (x, None))
+        def tangents(name: str, primal: Tensor, directions: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
+            r"""The increments' tangents along ``directions`` of one parameter: the products
+            :math:`\dot{\mathbf K}_{\mathbf uk}\mathbf K_{k\mathbf u}` (``None`` when the parameter does not enter
+            the kernel block, so that no product is taken), the vector part and :math:`\dot\sigma^2/\sigma^2`."""
 
-        def directional(tangent: Tensor) -> Tensor:
-            return jvp(cross_covariance, (inducing_points.detach(),), (tangent,))[1]
+            def blocks(value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                return functional_call(self._increment_module, {name: value}, (x,))
 
+            cross_tangent, mean_tangent, noise_tangent = vmap(lambda t: jvp(blocks, (primal,), (t,))[1])(directions)
+            vectors = -(cross @ mean_tangent.unsqueeze(-1)).squeeze(-1).double() * scale
+            products = None
+            if cross_tangent.any():
+                products = (cross_tangent @ cross.mT).double() * scale.unsqueeze(-1)  # (c, ..., M, M)
+                vectors += (cross_tangent @ residual).squeeze(-1).double() * scale
+            noise_tangent = noise_tangent.double().view(directions.size(0), *ones, *noise.shape)
+            return products, vectors, (noise_tangent.expand(-1, *latent_shape) * inverse_noise).unsqueeze(-1)
+
+        # One parameter at a time, in chunks of its unit directions: forward mode through the kernel only for the
+        # parameters that enter it, and chunks small enough to keep the tangents in cache.
+        num_inducing = inducing_points.size(-2)
+        chunk = self._chunk(2 * num_inducing * (num_inducing + x.size(-2)), _CACHED_ELEMENTS)
+        offset = 0
+        for name, parameter, size in zip(self._dense_names, self._dense_parameters, self._dense_sizes, strict=True):
+            for start in range(0, size, chunk):
+                stop = min(start + chunk, size)
+                directions = parameter.new_zeros(stop - start, size)
+                directions[range(stop - start), range(start, stop)] = 1.0
+                products, vector, relative = tangents(name, parameter.detach(), directions.view(-1, *parameter.shape))
+                matrix = -increments.information_matrix[..., rows, cols] * relative
+                if products is not None:
+                    matrix += products[..., rows, cols] + products[..., cols, rows]
+                vector -= increments.information_vector * relative
+                if not (torch.isfinite(vector).all() and torch.isfinite(matrix).all()):
+                    raise RuntimeError("the Jacobians of the mini-batch's increments are not finite.")
+                self._vector_jacobian[..., offset + start : offset + stop] += vector.movedim(0, -1)
+                self._matrix_jacobian[..., offset + start : offset + stop] += matrix.movedim(0, -1)
+            offset += size
+        if not structured:
+            return
+        # Row m of the product along axis d is sigma^2 rho_md (the rows of other inducing inputs are zero).
         increment = InducingJacobians.zeros(inducing_points)
-        dims, num_inducing, batch = inducing_points.size(-1), inducing_points.size(-2), x.size(-2)
-        scale = self.strategy.noise_variance().detach().rsqrt()
-        chunk = self._chunk(num_inducing**2 + 4 * num_inducing * batch)
+        name, dims = self._names[id(inducing_points)], inducing_points.size(-1)
         for start in range(0, dims, chunk):
             stop = min(start + chunk, dims)
-            tangents = inducing_points.new_zeros(stop - start, *inducing_points.shape)
+            directions = inducing_points.new_zeros(stop - start, *inducing_points.shape)
             for index in range(stop - start):
-                tangents[index, ..., start + index] = 1.0
-            increment.add_axes_(start, vmap(directional)(tangents), features, targets, scale)
+                directions[index, ..., start + index] = 1.0
+            products, vector, _ = tangents(name, inducing_points.detach(), directions)
+            if products is not None:
+                increment.rows[..., start:stop, :] += products.movedim(0, -2)
+            increment.values[..., start:stop] += vector.movedim(0, -1)
         if not increment.all_finite():
             raise RuntimeError("the Jacobians of the mini-batch's increments are not finite.")
-        return increment
+        if not self._structure_verified:
+            self._structure_verified = self._checked_structure(x, y, rows, cols, increment)
+        if self._inducing_jacobians is not None:
+            self._inducing_jacobians.add_(increment)
+        else:  # the structure check failed: from now on dense, and this mini-batch's Jacobians again, densely
+            self._add_dense_jacobians(x, y, rows, cols)
 
     def _checked_structure(
         self, x: Tensor, y: Tensor, rows: Tensor, cols: Tensor, increment: InducingJacobians
@@ -473,18 +618,27 @@ class RecursiveGradientPropagation:
         )
         with torch.enable_grad():
             terms, inducing_covariance = strategy.observation_terms(x, y)
+            state_prior, prior_leaves = self._state_prior()
+            if state_prior is not None:
+                inducing_covariance = state_prior
             psi = strategy.bound_term(terms, inducing_covariance, information_vector, information_matrix)
             gradients = torch.autograd.grad(
-                psi.sum(), [*self._parameters, information_vector, information_matrix], allow_unused=True
+                psi.sum(),
+                [*self._parameters, information_vector, information_matrix, *prior_leaves.values()],
+                allow_unused=True,
             )
-        *direct, vector_adjoint, matrix_adjoint = gradients
+        count = len(self._parameters)
+        direct, (vector_adjoint, matrix_adjoint) = gradients[:count], gradients[count : count + 2]
         histories = self._history(vector_adjoint, matrix_adjoint)
+        for key, gradient in zip(prior_leaves, gradients[count + 2 :], strict=True):
+            if gradient is not None:
+                histories[key] = histories[key] + gradient.double() if key in histories else gradient.double()
         increments = strategy.increments(terms, psi)
 
         # The Jacobians are added in place, chunk by chunk: should that fail half-way (out of memory), the epoch
         # cannot go on, and the next step says so.
         self._num_observed = -1
-        self._add_increment_jacobians(x, y, terms.features.detach(), terms.targets.detach())
+        self._add_increment_jacobians(x, y, increments)
         strategy.absorb(increments, x.size(-2))
         self._num_observed = strategy.num_observed
 
@@ -495,7 +649,47 @@ class RecursiveGradientPropagation:
             parameter.grad = total.neg_()
         self.optimizer.step()
         strategy._clear_cache()
-        return psi.detach().sum().to(strategy.inducing_points.dtype)
+        psi = psi.detach().sum()
+        self._warn_on_jumps(float(psi) / x.size(-2))
+        return psi.to(strategy.inducing_points.dtype)
+
+    def _warn_on_jumps(self, per_datum: float) -> None:
+        r"""The warnings of :meth:`step`, each at most once per epoch: a bound term per datum more than
+        ``bound_tolerance`` times :math:`\max(1, |\text{mean}|)` below the epoch's mean so far, and a hyperparameter
+        (raw value; the inducing inputs are not watched) more than ``drift_tolerance`` away from its value at the
+        epoch's start."""
+        total, count = self._bound_per_datum
+        self._bound_per_datum = (total + per_datum, count + 1)
+        name = type(self).__name__
+        if self.bound_tolerance is not None and count >= 2 and "bound" not in self._warned:
+            mean = total / count
+            if per_datum < mean - self.bound_tolerance * max(1.0, abs(mean)):
+                self._warned.add("bound")
+                warnings.warn(
+                    f"{name}: the bound term of this mini-batch is {per_datum:.3g} per datum, {mean - per_datum:.3g} "
+                    f"below the epoch's mean so far ({mean:.3g}): the hyperparameters may have jumped (lower the "
+                    "learning rate) or the data changed abruptly.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        if self.drift_tolerance is None or "drift" in self._warned:
+            return
+        for parameter in self._parameters:
+            if parameter is self.strategy.inducing_points:
+                continue
+            start = self._epoch_parameters[self._names[id(parameter)]]
+            change = float((parameter.detach() - start).abs().max())
+            if change > self.drift_tolerance:
+                self._warned.add("drift")
+                warnings.warn(
+                    f"{name}: {self._names[id(parameter)]} moved by {change:.3g} (raw value) since the start of the "
+                    f"epoch, more than drift_tolerance={self.drift_tolerance}: the hyperparameters drift within the "
+                    "epoch (lower the learning rate, or start epochs more often); the state's statistics were "
+                    "absorbed at the older values.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                return
 
     def _history(self, vector_adjoint: Tensor | None, matrix_adjoint: Tensor | None) -> dict[int, Tensor]:
         r""":math:`\mathbf J_\eta^\top\bar{\boldsymbol\eta}+\langle\mathbf J_\Lambda,\bar{\boldsymbol\Lambda}\rangle`,

@@ -406,14 +406,23 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         \text{offset}_k + F`), given all data's statistics; differentiable in them and in the hyperparameters."""
         return collapsed_bound_tail(self._inducing_prior()[0], information_vector, information_matrix)
 
+    def inducing_covariance(self) -> Tensor:
+        r""":math:`\mathbf K_{\mathbf{uu}}` with the strategy's jitter, float64, ``(..., M, M)``: the prior of the state
+        (differentiable in the hyperparameters outside ``torch.no_grad``)."""
+        return self._inducing_prior()[0]
+
     def noise_variance(self, likelihood: GaussianLikelihood | None = None) -> Tensor:
         r"""The noise :math:`\sigma^2` of ``likelihood`` or else of the strategy's :attr:`likelihood`, in float64, one
         value per latent."""
         return self.resolved_likelihood(likelihood, "KalmanVariationalStrategy").noise.double()[..., 0]
 
-    def inducing_data_covariance(self, x: Tensor) -> Tensor:
-        r""":math:`\mathbf K_{\mathbf u\mathbf x}` in float64, ``(..., M, B)``, for a validated mini-batch."""
-        return self._joint_prior(x).covariance(0, 1).to_dense().double()
+    def data_prior(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        r""":math:`\mathbf K_{\mathbf u\mathbf x}`, ``(..., M, B)``, and the prior mean :math:`\mu_0(\mathbf x)`,
+        ``(..., B)``, for a validated mini-batch, in the model's dtype (differentiable in the hyperparameters outside
+        ``torch.no_grad``): what the increments of the models with :math:`\mathbf V_k = \sigma^2\mathbf I` (VFE, DTC)
+        are made of."""
+        prior = self._joint_prior(x)
+        return prior.covariance(0, 1).to_dense(), prior.mean(1)
 
     @staticmethod
     def of_model(model: ApproximateGP, likelihood: Likelihood, user: str) -> KalmanVariationalStrategy:

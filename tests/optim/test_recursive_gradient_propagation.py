@@ -12,8 +12,9 @@ The structured propagation gives the dense one's gradients and Jacobians to <= 5
 
 from __future__ import annotations
 
-import copy
+import io
 import unittest.mock
+import warnings
 
 import gpytorch
 import pytest
@@ -275,44 +276,94 @@ def test_steps_update_the_parameters_and_the_epoch_bound():
     assert strategy.num_observed == 0 and not srgp.information_jacobians()[1].any()
 
 
-def test_state_dict_resumes_an_epoch_exactly():
-    # One run straight through four mini-batches; another saved after two (model, likelihood, Adam, SRGP) and resumed
-    # into fresh objects: the same hyperparameters, statistics and Jacobians at the end.
-    def run(steps, state=None):
-        model, likelihood, X, y, blocks = _spec_problem("vfe")
-        optimizer = torch.optim.Adam(_parameters(model, likelihood), lr=0.01)
-        srgp = RecursiveGradientPropagation(model, likelihood, optimizer)
-        if state is not None:
-            model.load_state_dict(state["model"])
-            likelihood.load_state_dict(state["likelihood"])
-            optimizer.load_state_dict(state["optimizer"])
-            srgp.load_state_dict(state["srgp"])
-        psis = [srgp.step(X[block], y[block]) for block in steps(blocks)]
-        saved = {
-            "model": model.state_dict(),
-            "likelihood": likelihood.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "srgp": srgp.state_dict(),
-        }
-        return copy.deepcopy(saved), psis, srgp
+def _srgp_run(approximation, prior):
+    model, likelihood, X, y, blocks = _spec_problem(approximation)
+    optimizer = torch.optim.Adam(_parameters(model, likelihood), lr=0.02)
+    return model, likelihood, optimizer, RecursiveGradientPropagation(model, likelihood, optimizer, prior=prior), X, y
 
-    straight, straight_psis, straight_srgp = run(lambda blocks: blocks[:4])
-    halfway, _, _ = run(lambda blocks: blocks[:2])
-    resumed, resumed_psis, resumed_srgp = run(lambda blocks: blocks[2:4], state=halfway)
-    assert all(torch.is_tensor(psi) and psi.dim() == 0 for psi in straight_psis)
-    torch.testing.assert_close(torch.stack(resumed_psis), torch.stack(straight_psis[2:]), rtol=1e-12, atol=1e-12)
-    for name, value in straight["model"].items():
-        torch.testing.assert_close(resumed["model"][name], value, rtol=1e-12, atol=1e-12, msg=name)
-    for actual, expected in zip(
-        resumed_srgp.information_jacobians(), straight_srgp.information_jacobians(), strict=True
-    ):
-        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
-    # Jacobians of another shape are refused, and nothing changes.
+
+def _snapshot(model, likelihood, optimizer, srgp) -> bytes:
+    buffer = io.BytesIO()
+    state = {name: obj.state_dict() for name, obj in zip(_OBJECTS, (model, likelihood, optimizer, srgp), strict=True)}
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+_OBJECTS = ("model", "likelihood", "optimizer", "srgp")
+
+
+@pytest.mark.parametrize("approximation", ["vfe", "fitc"])  # structured and dense Jacobians of Z
+@pytest.mark.parametrize("prior", ["frozen", "current"])
+def test_checkpoint_mid_epoch_resumes_bit_for_bit(approximation, prior):
+    # One run: an epoch, then half of the next; checkpoint (torch.save of the model, likelihood, Adam and SRGP state
+    # dicts); the rest of the epoch and one more step of a new one. A fresh process is simulated by new objects (other
+    # inducing inputs and hyperparameters) that torch.load the checkpoint and go on with the same mini-batches: every
+    # bound term, parameter, statistic, Jacobian and Adam moment equals the uninterrupted run's bit for bit.
+    model, likelihood, optimizer, srgp, X, y = _srgp_run(approximation, prior)
+    first, second = blocks_of(60, 9, torch.randperm(60, generator=torch.Generator().manual_seed(1))), blocks_of(60, 9)
+    srgp.start_epoch()
+    for block in first:
+        srgp.step(X[block], y[block])
+    srgp.start_epoch()
+    for block in second[:3]:
+        srgp.step(X[block], y[block])
+    checkpoint = _snapshot(model, likelihood, optimizer, srgp)
+
+    def finish(srgp):
+        psis = [srgp.step(X[block], y[block]) for block in second[3:]]
+        srgp.start_epoch()
+        return [*psis, srgp.step(X[first[0]], y[first[0]])]
+
+    straight = finish(srgp)
+
+    fresh_model, fresh_likelihood = make_model(torch.zeros(10, 2, dtype=F64), approximation, constant_mean=True)
+    fresh_likelihood.noise = 0.3
+    fresh_optimizer = torch.optim.Adam(_parameters(fresh_model, fresh_likelihood), lr=0.02)
+    fresh = RecursiveGradientPropagation(fresh_model, fresh_likelihood, fresh_optimizer, prior=prior)
+    saved = torch.load(io.BytesIO(checkpoint))
+    for name, obj in zip(_OBJECTS, (fresh_model, fresh_likelihood, fresh_optimizer, fresh), strict=True):
+        obj.load_state_dict(saved[name])
+    resumed = finish(fresh)
+
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight, strict=True))
+    expected, actual = _snapshot(*_objects_of(srgp)), _snapshot(*_objects_of(fresh))
+    assert _same_tensors(torch.load(io.BytesIO(actual)), torch.load(io.BytesIO(expected)))
+    for a, b in zip(fresh.information_jacobians(), srgp.information_jacobians(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _objects_of(srgp):
+    strategy = srgp.strategy
+    return strategy.model, strategy.likelihood, srgp.optimizer, srgp
+
+
+def _same_tensors(actual, expected) -> bool:
+    """Nested dicts / lists of tensors and plain values, equal bit for bit."""
+    if isinstance(expected, dict):
+        return actual.keys() == expected.keys() and all(_same_tensors(actual[k], expected[k]) for k in expected)
+    if isinstance(expected, (list, tuple)):
+        return len(actual) == len(expected) and all(map(_same_tensors, actual, expected))
+    if torch.is_tensor(expected):
+        return torch.is_tensor(actual) and actual.dtype == expected.dtype and torch.equal(actual, expected)
+    return actual == expected
+
+
+def test_state_dict_of_another_model_is_refused():
+    _, _, _, srgp, X, y = _srgp_run("vfe", "frozen")
+    srgp.step(X[:12], y[:12])
     model, likelihood, *_ = _other_size_problem()
     other = RecursiveGradientPropagation(model, likelihood, torch.optim.Adam(_parameters(model, likelihood)))
+    with pytest.raises(ValueError, match="epoch parameters"):
+        other.load_state_dict(srgp.state_dict())
+    current = RecursiveGradientPropagation(
+        model, likelihood, torch.optim.Adam(_parameters(model, likelihood)), prior="current"
+    )
+    state = {**srgp.state_dict(), "prior": "current", "epoch_parameters": None}
     with pytest.raises(ValueError, match="Jacobians"):
-        other.load_state_dict(halfway["srgp"])
-    assert other.jacobian_bytes == 0
+        current.load_state_dict(state)
+    with pytest.raises(ValueError, match="prior"):
+        current.load_state_dict(srgp.state_dict())
+    assert other.jacobian_bytes == 0 and current.jacobian_bytes == 0
 
 
 def _other_size_problem():
@@ -404,3 +455,103 @@ def test_srgp_learns_a_real_data_set():
     assert epoch_bounds[0] < epoch_bounds[-1]
     assert bound > initial_bound + 0.3
     assert rmse < 0.55 < initial_rmse
+
+
+class _Terms(torch.nn.Module):
+    """The model and likelihood as submodules, so that functional_call evaluates a mini-batch's terms (or the prior)
+    at any parameter values."""
+
+    def __init__(self, model, likelihood):
+        super().__init__()
+        self.model, self.likelihood = model, likelihood
+
+    def forward(self, x=None, y=None):
+        strategy = self.model.variational_strategy
+        return strategy.inducing_covariance() if x is None else strategy.observation_terms(x, y)[0]
+
+
+@pytest.mark.parametrize("prior", ["frozen", "current"])
+@pytest.mark.parametrize("approximation", ["vfe", "fitc"])
+def test_gradients_while_the_parameters_move(prior, approximation):
+    # With a nonzero learning rate every step's gradient is the derivative of psi_k(theta_k) where each earlier
+    # mini-batch's increments are functions of the parameters at which it was absorbed, theta_j, and the state's prior
+    # K_uu is a function of the epoch's first parameters theta_1 ("frozen", as the reference code) or of theta_k
+    # ("current"); the oracle unrolls that with autograd, one leaf per step and parameter.
+    model, likelihood, X, y, blocks = _spec_problem(approximation)
+    parameters = dict((name, p) for name, p in _Terms(model, likelihood).named_parameters())
+    optimizer = torch.optim.SGD(parameters.values(), lr=0.02)
+    srgp = RecursiveGradientPropagation(model, likelihood, optimizer, prior=prior, drift_tolerance=None)
+    terms_module, strategy = _Terms(model, likelihood), model.variational_strategy
+    history = []
+    srgp.start_epoch()
+    for k, block in enumerate(blocks[:5]):
+        history.append({name: p.detach().clone() for name, p in parameters.items()})
+        srgp.step(X[block], y[block])
+        actual = [-p.grad for p in parameters.values()]
+        leaves = [{name: value.clone().requires_grad_(True) for name, value in values.items()} for values in history]
+        vector = matrix = 0.0
+        for j in range(k):
+            terms = torch.func.functional_call(terms_module, leaves[j], (X[blocks[j]], y[blocks[j]]))
+            vector, matrix = vector + terms.information_vector, matrix + terms.information_matrix
+        terms = torch.func.functional_call(terms_module, leaves[k], (X[block], y[block]))
+        state_prior = torch.func.functional_call(terms_module, leaves[0 if prior == "frozen" else k], ())
+        zeros = torch.zeros_like(terms.information_matrix)
+        psi = strategy.bound_term(terms, state_prior, vector + zeros[..., 0], matrix + zeros)
+        grads = torch.autograd.grad(psi, [leaf for values in leaves for leaf in values.values()], allow_unused=True)
+        expected = [torch.zeros_like(p) for p in parameters.values()]
+        for index, gradient in enumerate(grads):
+            if gradient is not None:
+                expected[index % len(parameters)] += gradient
+        assert _relative_error(actual, expected) < 1e-10, k
+    # the two choices differ once the parameters have moved
+    assert not torch.equal(
+        history[0]["model.covar_module.raw_outputscale"], history[-1]["model.covar_module.raw_outputscale"]
+    )
+
+
+def test_warns_once_per_epoch_when_the_hyperparameters_drift():
+    model, likelihood, X, y, blocks = _spec_problem("vfe")
+    quiet = RecursiveGradientPropagation(model, likelihood, torch.optim.Adam(_parameters(model, likelihood), lr=1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for block in blocks:  # small steps: no warning in an epoch
+            quiet.step(X[block], y[block])
+    optimizer = torch.optim.Adam(_parameters(model, likelihood), lr=0.4)
+    srgp = RecursiveGradientPropagation(model, likelihood, optimizer)
+    for _ in range(2):
+        srgp.start_epoch()
+        with pytest.warns(RuntimeWarning, match="since the start of the epoch") as caught:
+            for block in blocks:
+                srgp.step(X[block], y[block])
+        # Adam moves a raw value by about lr per step: more than 1 after three steps, and one warning per epoch.
+        assert sum("drift_tolerance" in str(w.message) for w in caught) == 1
+    assert "drift" in srgp.state_dict()["warned"]
+
+
+def test_warns_when_a_bound_term_falls_far_below_the_epoch():
+    model, likelihood, X, y, blocks = _spec_problem("vfe")
+    optimizer = torch.optim.SGD(_parameters(model, likelihood), lr=0.0)
+    srgp = RecursiveGradientPropagation(model, likelihood, optimizer, drift_tolerance=None)
+    for block in blocks[:3]:
+        srgp.step(X[block], y[block])
+    with torch.no_grad():  # a jump of the noise to a tiny value: the next term is far worse than the epoch's
+        likelihood.noise = 2e-3
+    with pytest.warns(RuntimeWarning, match="bound term of this mini-batch"):
+        srgp.step(X[blocks[3]], y[blocks[3]])
+    quiet = RecursiveGradientPropagation(model, likelihood, optimizer, bound_tolerance=None, drift_tolerance=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for block in blocks[:3]:
+            quiet.step(X[block], y[block])
+        likelihood.noise = 2e-3
+        quiet.step(X[blocks[3]], y[blocks[3]])
+
+
+@pytest.mark.parametrize("option", ["bound_tolerance", "drift_tolerance"])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
+def test_tolerances_must_be_positive(option, value):
+    model, likelihood, *_ = _spec_problem("vfe")
+    with pytest.raises(ValueError, match=option):
+        RecursiveGradientPropagation(
+            model, likelihood, torch.optim.Adam(_parameters(model, likelihood)), **{option: value}
+        )
