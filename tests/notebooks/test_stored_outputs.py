@@ -158,7 +158,6 @@ def problems(notebook: dict, exceptions: set[str] = frozenset()) -> list[str]:
 # go as soon as the notebook passes.
 PENDING = {
     "00_quickstart.ipynb",
-    "03_decoupled_and_hybrid.ipynb",
 }
 
 
