@@ -154,23 +154,7 @@ def problems(notebook: dict, exceptions: set[str] = frozenset()) -> list[str]:
     return found
 
 
-# Until their rewrite and full re-execution land (issue 15, item 6), these still fail; strict, so that the entry must
-# go as soon as the notebook passes.
-PENDING = {
-    "00_quickstart.ipynb",
-}
-
-
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(
-            path, marks=[pytest.mark.xfail(strict=True, reason="rewrite pending")] if path.name in PENDING else []
-        )
-        for path in NOTEBOOKS
-    ],
-    ids=lambda path: path.name,
-)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
 def test_stored_outputs_are_trustworthy(path: Path):
     found = problems(load(path), set(LITERATURE.get(path.name, {})))
     assert not found, f"{path.name}: " + "; ".join(found) + f". Fix the notebook, then {FIX}."
