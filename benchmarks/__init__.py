@@ -10,6 +10,7 @@ from .baselines_benchmark import BASELINES
 from .benchmark import Benchmark
 from .decoupled_accuracy_benchmark import DECOUPLED_ACCURACY
 from .decoupled_speed_benchmark import DECOUPLED_SPEED
+from .decoupled_step_benchmark import DECOUPLED_STEP
 from .distributed_benchmark import DISTRIBUTED
 from .dual_benchmark import DUAL
 from .kernel_selection_benchmark import KERNEL_SELECTION
@@ -30,6 +31,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         ORTHOGONAL_ACCURACY,
         DECOUPLED_SPEED,
         DECOUPLED_ACCURACY,
+        DECOUPLED_STEP,
         DUAL,
         RECURSIVE,
         SRGP_STEP,

@@ -6,7 +6,11 @@ divergence from a whitened prior."""
 from .cholesky import jittered_cholesky, reset_jitter_warnings
 from .kernel_matvec import kernel_matvec
 from .kernel_quadratic_form import kernel_quadratic_form
-from .landmark_quadratic_form import landmark_quadratic_form
+from .landmark_quadratic_form import (
+    coefficient_proportional_rows,
+    landmark_controlled_estimate,
+    landmark_quadratic_form,
+)
 from .quadratic_form import column_sampled_quadratic_form
 from .settings import kernel_keep_size, kernel_tile_size
 from .triangular import cholesky_logdet, cholesky_solve, solve_lower, solve_lower_transpose, symmetrized
@@ -15,12 +19,14 @@ from .whitened_kl import whitened_kl
 __all__ = [
     "cholesky_logdet",
     "cholesky_solve",
+    "coefficient_proportional_rows",
     "column_sampled_quadratic_form",
     "jittered_cholesky",
     "kernel_keep_size",
     "kernel_matvec",
     "kernel_quadratic_form",
     "kernel_tile_size",
+    "landmark_controlled_estimate",
     "landmark_quadratic_form",
     "reset_jitter_warnings",
     "solve_lower",

@@ -105,7 +105,7 @@ def landmark_quadratic_form(
         )
         return kernel_quadratic_form(kernel(points, points), coefficients) - coordinates.squeeze(-1).pow(2).sum(-1)
     if indices is None:
-        indices = coefficient_proportional_rows(coefficients, num_columns, generator)
+        indices = coefficient_proportional_rows(coefficients, num_columns, generator)[0]
     elif indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64) or indices.numel() == 0:
         raise ValueError(
             f"indices must be a non-empty 1-D integer tensor, got {tuple(indices.shape)}, {indices.dtype}."
@@ -150,8 +150,9 @@ def landmark_controlled_estimate(
     :param probabilities: :math:`p_{i_k}` (:func:`row_probabilities`), held constant.
     :return: :math:`\widehat R`; add :math:`\lVert\mathbf c\rVert^2` for :math:`\widehat Q`.
     """
-    weights = solve_lower_transpose(landmark_cholesky, landmark_coordinates.unsqueeze(-1))
-    control = (landmark_block @ weights.type(landmark_block.dtype)).squeeze(-1)
+    coordinates = landmark_coordinates.unsqueeze(-1).type(landmark_cholesky.dtype)
+    weights = solve_lower_transpose(landmark_cholesky, coordinates).type(landmark_block.dtype)
+    control = (landmark_block @ weights).squeeze(-1)
     terms = coefficients * (row_products - control) / probabilities.detach()
     return terms.mean(-1)
 
@@ -169,7 +170,29 @@ def row_probabilities(coefficients: Tensor) -> Tensor:  # shape: (M,)
 
 
 def coefficient_proportional_rows(
-    coefficients: Tensor, num_draws: int, generator: torch.Generator | None = None
-) -> Tensor:  # shape: (num_draws,)
-    """``num_draws`` rows drawn with replacement with the probabilities of :func:`row_probabilities`."""
-    return torch.multinomial(row_probabilities(coefficients), num_draws, replacement=True, generator=generator)
+    coefficients: Tensor,  # shape: (*batch, M)
+    num_draws: int,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:  # shapes: (num_draws,), (num_draws,)
+    r"""
+    The draws of :func:`landmark_quadratic_form`: ``num_draws`` indices of the mean basis drawn with replacement with
+    probabilities :math:`p_i \propto \lvert a_i\rvert` (summed over the batch dimensions, which share the draws;
+    uniform when every coefficient is 0), and their probabilities (detached), for a caller that evaluates the drawn rows
+    itself and passes them to :func:`landmark_controlled_estimate`.
+
+    :param coefficients: :math:`\mathbf a`.
+    :param num_draws: :math:`b`.
+    :param generator: Random generator on the device of ``coefficients``.
+    :return: The indices and their probabilities.
+
+    Example:
+        >>> a = torch.tensor([0.0, 1.0, -3.0])
+        >>> indices, probabilities = coefficient_proportional_rows(a, 100, torch.Generator().manual_seed(0))
+        >>> bool((indices > 0).all())  # a row with a zero coefficient contributes nothing and is never drawn
+        True
+        >>> probabilities[indices == 2].unique()
+        tensor([0.7500])
+    """
+    probabilities = row_probabilities(coefficients)
+    indices = torch.multinomial(probabilities, num_draws, replacement=True, generator=generator)
+    return indices, probabilities.index_select(-1, indices)

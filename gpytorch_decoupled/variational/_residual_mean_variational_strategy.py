@@ -18,10 +18,11 @@ from ..gpytorch_compat import (
     compute_predictive_updates,
     whitened_cholesky_factor,
 )
+from ..linalg import landmark_controlled_estimate, landmark_quadratic_form
 from ._replace_tensor import replace_tensor
 from .checked_inputs import checked_inputs
 from .joint_prior import JointPrior, joint_prior
-from .mean_basis import MeanBasis, MeanBasisAttribute, load_renamed_keys
+from .mean_basis import EXACT_KL_SIZE, MeanBasis, MeanBasisAttribute, SampledRows, load_renamed_keys
 
 # Keys of checkpoints saved before the mean basis became a component, and GPyTorch's whitening flag, which a strategy
 # that was never unwhitened has no use for.
@@ -46,16 +47,24 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
 
     :math:`\mathbf c` is kept in the attribute ``_residual_coordinates`` from the forward pass of a training step to
     its KL, and in eval mode from the first prediction on; None until computed, it is forgotten with GPyTorch's caches
-    (:func:`~gpytorch_decoupled.gpytorch_compat.cache_safe`). The mean basis keeps this step's sample of its quadratic
-    form itself (:class:`~gpytorch_decoupled.variational.MeanBasis`).
+    (:func:`~gpytorch_decoupled.gpytorch_compat.cache_safe`).
+
+    The mean basis's quadratic form splits as :math:`\mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma =
+    \lVert\mathbf c\rVert^2 + R` (:meth:`residual_quadratic_form`). Where it is not exact, :math:`R` is estimated
+    with :math:`\beta` as landmarks (:func:`~gpytorch_decoupled.linalg.landmark_quadratic_form`,
+    :ref:`derivations-landmark-kl`): the rows of :math:`\mathbf K_\gamma` drawn in proportion to
+    :math:`\lvert a_i\rvert` come out of the step's one kernel evaluation, and so does their block with
+    :math:`\beta`; the estimate is kept in ``_residual_quadratic_form`` for the step's KL.
     """
 
-    _step_attributes = ("_residual_coordinates",)
+    _step_attributes = ("_residual_coordinates", "_residual_quadratic_form")
     _residual_coordinates: Tensor | None = None
+    _residual_quadratic_form: Tensor | None = None
 
     mean_inducing_points = MeanBasisAttribute("inducing_points", r"The mean basis :math:`\gamma`, ``(M_gamma, D)``.")
     mean_coefficients = MeanBasisAttribute("coefficients", r"The mean coefficients :math:`\mathbf a_\gamma`.")
     num_kl_columns = MeanBasisAttribute("num_kl_columns", "Rows of the mean basis's kernel matrix sampled for the KL.")
+    exact_kl_size = MeanBasisAttribute("exact_kl_size", "Mean bases of at most this many points have an exact KL.")
 
     def __init__(
         self,
@@ -68,6 +77,8 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
         kl_block_size: int = 4096,
         mean_init_std: float = 1e-3,
         jitter_val: float | None = None,
+        exact_kl_size: int = EXACT_KL_SIZE,
+        kl_control_variate: bool = True,
     ):
         super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
         self.mean_basis = MeanBasis(
@@ -79,17 +90,61 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
             kl_block_size,
             batch_shape=variational_distribution.batch_shape,
             init_std=mean_init_std,
+            exact_kl_size=exact_kl_size,
+            importance_sampling=kl_control_variate,
         )
         self.register_load_state_dict_pre_hook(functools.partial(load_renamed_keys, _OLD_KEYS, ("updated_strategy",)))
 
     # ------------------------------------------------------------------ the mean basis
     def mean_basis_quadratic_form(self, indices: Tensor | None = None) -> Tensor:
         r"""
-        :math:`\mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma`: exact in eval mode or with
-        ``num_kl_columns=None``; in training, the unbiased column-sampled estimate of this step (drawn in the forward
-        pass, or here if no forward pass came first); for explicit ``indices``, the estimate for that sample of rows.
+        :math:`\mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma`: exact in eval mode, with
+        ``num_kl_columns=None`` or for a mean basis of at most ``exact_kl_size`` points; in training otherwise, the
+        unbiased estimate of this step (drawn in the forward pass, or here if no forward pass came first): with the
+        control variate, :math:`\lVert\mathbf c\rVert^2` plus :meth:`residual_quadratic_form`; without it, the
+        column-sampled estimate. For explicit ``indices``, the estimate for those draws.
         """
-        return self.mean_basis.quadratic_form(self.mean_coefficients, indices)
+        if not self.mean_basis.importance_sampling:
+            return self.mean_basis.quadratic_form(self.mean_coefficients, indices)
+        return self.residual_coordinates().pow(2).sum(-1) + self.residual_quadratic_form(indices)
+
+    def residual_quadratic_form(self, indices: Tensor | None = None) -> Tensor:
+        r"""
+        :math:`R = \mathbf a_\gamma^\top(\mathbf K_\gamma - \mathbf K_{\gamma\beta}\mathbf K_\beta^{-1}
+        \mathbf K_{\beta\gamma})\mathbf a_\gamma = \mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma -
+        \lVert\mathbf c\rVert^2` (with :math:`\mathbf K_\beta`'s jitter): exact where
+        :meth:`mean_basis_quadratic_form` is; in training otherwise, this step's estimate with :math:`\beta` as
+        landmarks (:func:`~gpytorch_decoupled.linalg.landmark_quadratic_form`), or, without the control variate, the
+        column-sampled estimate minus :math:`\lVert\mathbf c\rVert^2`. For explicit ``indices``, the estimate for
+        those draws.
+        """
+        if indices is None and self._residual_quadratic_form is not None:
+            return self._residual_quadratic_form
+        basis, coefficients = self.mean_basis, self.mean_coefficients
+        if not basis.importance_sampling or (indices is None and basis.exact_quadratic_form()):
+            return basis.quadratic_form(coefficients, indices) - self.residual_coordinates().pow(2).sum(-1)
+        return landmark_quadratic_form(
+            basis.cross_covariance,
+            basis.inducing_points,
+            coefficients,
+            self.inducing_points,
+            self._beta_cholesky().to_dense(),
+            num_columns=basis.num_kl_columns,
+            residual=True,
+            generator=basis.generator,
+            indices=indices,
+        )
+
+    def _sampled_residual(self, sampled: SampledRows, chol: LinearOperator, landmark_block: Tensor) -> None:
+        r"""Keeps this step's estimate of :math:`R` from the drawn rows' values and their block with :math:`\beta`."""
+        self._residual_quadratic_form = landmark_controlled_estimate(
+            self.mean_coefficients[..., sampled.indices],
+            sampled.values,
+            landmark_block,
+            self._residual_coordinates,
+            chol.to_dense(),
+            sampled.probabilities,
+        )
 
     # ------------------------------------------------------------------ the whitened SVGP block
     @property
@@ -191,6 +246,9 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
                 prior = values.prior
                 chol = self._beta_cholesky(prior.covariance(0, 0))
                 coordinates = self._set_residual_coordinates(beta_values, chol)
+                sampled = self.mean_basis.sampled_rows
+                if sampled is not None:  # input set 1 holds the drawn rows
+                    self._sampled_residual(sampled, chol, prior.covariance(1, 0).to_dense())
                 blocks = JointPrior(prior.distribution, prior.sizes[:-1])  # without gamma: the data are the last set
                 mean, covariance = self._predictive(
                     blocks,
@@ -201,6 +259,11 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
                 )
                 return MultivariateNormal(mean + data_values, covariance)
             self._set_residual_coordinates(beta_values)
+            sampled = self.mean_basis.sampled_rows
+            if sampled is not None:
+                drawn = self.mean_inducing_points[sampled.indices]
+                block = self.mean_basis.cross_covariance(drawn, self.inducing_points).to_dense()
+                self._sampled_residual(sampled, self._beta_cholesky(), block)
         block_mean = self._covariance_block_mean(inducing_values, self.residual_coordinates())
         prior = joint_prior(self.model, inducing_points, x, **kwargs)
         chol = self._cholesky_factor(prior.covariance(0, 0).add_jitter(self.jitter_val))

@@ -14,7 +14,7 @@ from ._direct_variational_strategy import _DirectVariationalStrategy
 from ._replace_tensor import replace_tensor
 from .decoupled_variational_distribution import DecoupledVariationalDistribution
 from .joint_prior import joint_prior
-from .mean_basis import MeanBasis, MeanBasisAttribute, load_renamed_keys
+from .mean_basis import EXACT_KL_SIZE, MeanBasis, MeanBasisAttribute, load_renamed_keys
 
 
 class DecoupledVariationalStrategy(_DirectVariationalStrategy):
@@ -44,10 +44,12 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
     using :math:`\operatorname{tr}(\mathbf K_\beta\mathbf L_B\mathbf H^{-1}\mathbf L_B^\top) = M_\beta -
     \operatorname{tr}(\mathbf H^{-1})`. :math:`\mathbf H \succeq \mathbf I` whatever :math:`\mathbf K_\beta` is, so
     nothing here factors :math:`\mathbf K_\beta` itself: the model stays well conditioned even when covariance basis
-    points coincide. :math:`\mathbf a^\top\mathbf K_\alpha\mathbf a` is estimated without bias from ``num_kl_columns``
-    sampled rows of :math:`\mathbf K_\alpha` in training (:ref:`derivations-column-sampled-kl`) and computed exactly, in
-    row blocks, in eval mode, so a training step costs :math:`O(N_b M_\alpha + b M_\alpha + N_b M_\beta^2 + M_\beta^3)`
-    and memory linear in :math:`M_\alpha`.
+    points coincide. :math:`\mathbf a^\top\mathbf K_\alpha\mathbf a` is exact for a mean basis of up to
+    ``exact_kl_size`` (4,096) points and in eval mode (one sweep over cache-sized tiles of the upper triangle of
+    :math:`\mathbf K_\alpha`, memory of one tile), and for a larger basis estimated without bias in training from
+    ``num_kl_columns`` sampled rows of :math:`\mathbf K_\alpha` (:ref:`derivations-column-sampled-kl`), so a training
+    step then costs :math:`O(N_b M_\alpha + b M_\alpha + N_b M_\beta^2 + M_\beta^3)` and memory linear in
+    :math:`M_\alpha`.
 
     The posterior covariance is exactly the S-form of SVGP with :math:`\mathbf S = (\mathbf K_\beta^{-1} +
     \mathbf B)^{-1} \preceq \mathbf K_\beta`: variances never exceed the prior's. The parametrization is not convex and
@@ -74,12 +76,14 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
         with ``num_mean_points=M_alpha`` and ``num_inducing_points=M_beta``.
     :param mean_inducing_points: Mean basis :math:`\alpha`, ``(M_alpha, D)``, shared by every latent of the batch.
     :param learn_inducing_locations: Learn :math:`\alpha` and :math:`\beta` (default True).
-    :param num_kl_columns: Rows :math:`b` of :math:`\mathbf K_\alpha` sampled for the training KL (the paper's 64);
-        ``None`` computes it exactly.
-    :param kl_block_size: Rows of :math:`\mathbf K_\alpha` evaluated at once by the exact KL.
+    :param num_kl_columns: Rows :math:`b` of :math:`\mathbf K_\alpha` sampled for the training KL of a mean basis
+        larger than ``exact_kl_size`` (the paper's 64); ``None`` always computes it exactly.
+    :param kl_block_size: Rows of :math:`\mathbf K_\alpha` evaluated at once by the exact KL of a kernel without a
+        fused product.
     :param jacobi_preconditioning: Scale the variational parameters by the prior variances at their basis points.
     :param jitter_val: Initial jitter for :math:`\mathbf H` should rounding make it indefinite (default: none, then
         escalating).
+    :param exact_kl_size: Mean bases of at most this many points have the exact KL in training too (zero variance).
 
     Example:
         >>> import gpytorch, torch
@@ -114,6 +118,7 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
 
     mean_inducing_points = MeanBasisAttribute("inducing_points", r"The mean basis :math:`\alpha`, ``(M_alpha, D)``.")
     num_kl_columns = MeanBasisAttribute("num_kl_columns", r"Rows of :math:`\mathbf K_\alpha` sampled for the KL.")
+    exact_kl_size = MeanBasisAttribute("exact_kl_size", "Mean bases of at most this many points have an exact KL.")
 
     def __init__(
         self,
@@ -126,6 +131,7 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
         kl_block_size: int = 4096,
         jacobi_preconditioning: bool = False,
         jitter_val: float | None = None,
+        exact_kl_size: int = EXACT_KL_SIZE,
     ):
         if not isinstance(variational_distribution, DecoupledVariationalDistribution):
             raise TypeError(
@@ -141,6 +147,7 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
             num_kl_columns,
             kl_block_size,
             coefficient_source=variational_distribution,
+            exact_kl_size=exact_kl_size,
         )
         sizes = (self.mean_inducing_points.size(-2), self.inducing_points.size(-2))
         if (variational_distribution.num_mean_points, variational_distribution.num_inducing_points) != sizes:
@@ -200,9 +207,10 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
 
     def mean_basis_quadratic_form(self, indices: Tensor | None = None) -> Tensor:
         r"""
-        :math:`\mathbf a^\top\mathbf K_\alpha\mathbf a`: exact in eval mode or with ``num_kl_columns=None``; in
-        training, the unbiased column-sampled estimate of this step (drawn in the forward pass, or here if no forward
-        pass came first); for explicit ``indices``, the estimate for that sample of rows of :math:`\mathbf K_\alpha`.
+        :math:`\mathbf a^\top\mathbf K_\alpha\mathbf a`: exact in eval mode, with ``num_kl_columns=None`` or for a
+        mean basis of at most ``exact_kl_size`` points; in training otherwise, the unbiased column-sampled estimate of
+        this step (drawn in the forward pass, or here if no forward pass came first); for explicit ``indices``, the
+        estimate for that sample of rows of :math:`\mathbf K_\alpha`.
         """
         return self.mean_basis.quadratic_form(self.mean_coefficients, indices)
 

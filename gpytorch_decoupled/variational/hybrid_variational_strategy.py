@@ -31,8 +31,11 @@ class HybridVariationalStrategy(_ResidualMeanVariationalStrategy):
         + \tfrac12 \mathbf a_\gamma^\top \mathbf K_\gamma \mathbf a_\gamma,
         \qquad \mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma,
 
-    where :math:`\mathbf a_\gamma^\top \mathbf K_\gamma \mathbf a_\gamma` is column-sampled in training
-    (``num_kl_columns`` rows, :ref:`derivations-column-sampled-kl`), so a step costs
+    where :math:`\mathbf a_\gamma^\top \mathbf K_\gamma \mathbf a_\gamma = \lVert\mathbf c\rVert^2 +
+    \mathbf a_\gamma^\top\mathbf K_{\gamma\perp\beta}\mathbf a_\gamma` is exact for a mean basis of up to
+    ``exact_kl_size`` (4,096) points (one sweep over cache-sized tiles of :math:`\mathbf K_\gamma`) and for a larger
+    one estimated in training from ``num_kl_columns`` rows drawn in proportion to :math:`\lvert a_{\gamma,i}\rvert`,
+    with :math:`\beta` as the landmarks of a control variate (:ref:`derivations-landmark-kl`), so a step costs
     :math:`O(N_b(M_\gamma + M_\beta^2) + M_\beta M_\gamma + bM_\gamma + M_\beta^3)`.
     With :math:`\mathbf a_\gamma = \mathbf 0` it is exactly GPyTorch's SVGP.
 
@@ -49,11 +52,16 @@ class HybridVariationalStrategy(_ResidualMeanVariationalStrategy):
     :param variational_distribution: Gaussian :math:`q(\mathbf u_\beta)` over the whitened :math:`\beta` block.
     :param mean_inducing_points: Mean basis :math:`\gamma`, ``(M_gamma, D)``, shared by every latent of the batch.
     :param learn_inducing_locations: Learn :math:`\beta` and :math:`\gamma` (default True).
-    :param num_kl_columns: Rows :math:`b` of :math:`\mathbf K_\gamma` sampled for the training KL; ``None`` computes
-        it exactly.
-    :param kl_block_size: Rows of :math:`\mathbf K_\gamma` evaluated at once by the exact KL.
+    :param num_kl_columns: Rows :math:`b` of :math:`\mathbf K_\gamma` drawn for the training KL of a mean basis
+        larger than ``exact_kl_size``; ``None`` always computes it exactly.
+    :param kl_block_size: Rows of :math:`\mathbf K_\gamma` evaluated at once by the exact KL of a kernel without a
+        fused product.
     :param mean_init_std: Standard deviation of the initial :math:`\mathbf a_\gamma` around 0.
     :param jitter_val: Diagonal jitter of :math:`\mathbf K_\beta` (default: GPyTorch's, by dtype).
+    :param exact_kl_size: Mean bases of at most this many points have the exact KL in training too (zero variance).
+    :param kl_control_variate: Estimate the sampled KL with :math:`\beta` as landmarks and rows drawn by
+        :math:`\lvert a_{\gamma,i}\rvert` (default); False samples rows of :math:`\mathbf K_\gamma` uniformly
+        (:ref:`derivations-column-sampled-kl`), with far more variance.
 
     Example:
         >>> import gpytorch, torch

@@ -38,11 +38,14 @@ class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy)
         = \mathbf a_\gamma^\top \mathbf K_\gamma \mathbf a_\gamma - \lVert \mathbf c \rVert^2,
         \quad \mathbf c = \mathbf L_\beta^{-1} \mathbf K_{\beta\gamma} \mathbf a_\gamma .
 
-    In training, :math:`\mathbf a_\gamma^\top \mathbf K_\gamma \mathbf a_\gamma` is estimated without bias from
-    ``num_kl_columns`` sampled rows of :math:`\mathbf K_\gamma` (:ref:`derivations-column-sampled-kl`); in eval mode, or
-    with ``num_kl_columns=None``, it is exact, in row blocks of bounded memory. No :math:`M_\gamma \times M_\gamma`
-    matrix is ever formed: a training step costs :math:`O(N_b (M_\gamma + M_\beta^2) + M_\beta M_\gamma + b M_\gamma +
-    M_\beta^3)`.
+    The quadratic form is exact for a mean basis of up to ``exact_kl_size`` (4,096) points, in eval mode and with
+    ``num_kl_columns=None``: one sweep over cache-sized tiles of the upper triangle of :math:`\mathbf K_\gamma`,
+    :math:`O(M_\gamma^2)` time and the memory of one tile. For a larger basis it is estimated without bias from
+    ``num_kl_columns`` rows of :math:`\mathbf K_\gamma` drawn in proportion to :math:`\lvert a_{\gamma,i}\rvert`, with
+    :math:`\beta` as landmarks of a control variate that takes out the part of the mean that :math:`\beta` represents
+    (:ref:`derivations-landmark-kl`), so that only :math:`\mathbf K_{\gamma\perp\beta}` is sampled. No
+    :math:`M_\gamma \times M_\gamma` matrix is ever formed: a training step then costs :math:`O(N_b (M_\gamma +
+    M_\beta^2) + M_\beta M_\gamma + b M_\gamma + M_\beta^3)`.
 
     **Training.** The covariance block is an ordinary whitened SVGP block: with a natural-parameter distribution
     (:class:`~gpytorch_decoupled.variational.FastNaturalVariationalDistribution`, or GPyTorch's slower
@@ -63,11 +66,16 @@ class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy)
     :param variational_distribution: Gaussian :math:`q(\mathbf u_\beta)` over the whitened :math:`\beta` block.
     :param mean_inducing_points: Mean basis :math:`\gamma`, ``(M_gamma, D)``, shared by every latent of the batch.
     :param learn_inducing_locations: Learn :math:`\beta` and :math:`\gamma` (default True).
-    :param num_kl_columns: Rows :math:`b` of :math:`\mathbf K_\gamma` sampled for the training KL (the paper's 64);
-        ``None`` computes it exactly.
-    :param kl_block_size: Rows of :math:`\mathbf K_\gamma` evaluated at once by the exact KL.
+    :param num_kl_columns: Rows :math:`b` of :math:`\mathbf K_\gamma` drawn for the training KL of a mean basis
+        larger than ``exact_kl_size`` (the paper's 64); ``None`` always computes it exactly.
+    :param kl_block_size: Rows of :math:`\mathbf K_\gamma` evaluated at once by the exact KL of a kernel without a
+        fused product.
     :param mean_init_std: Standard deviation of the initial :math:`\mathbf a_\gamma` around 0.
     :param jitter_val: Diagonal jitter of :math:`\mathbf K_\beta` (default: GPyTorch's, by dtype).
+    :param exact_kl_size: Mean bases of at most this many points have the exact KL in training too (zero variance).
+    :param kl_control_variate: Estimate the sampled KL with :math:`\beta` as landmarks and rows drawn by
+        :math:`\lvert a_{\gamma,i}\rvert` (default); False samples rows of :math:`\mathbf K_\gamma` uniformly
+        (:ref:`derivations-column-sampled-kl`), with far more variance.
 
     Example:
         >>> import gpytorch, torch
@@ -125,10 +133,10 @@ class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy)
     def mean_quadratic_form(self, indices: Tensor | None = None) -> Tensor:
         r"""
         :math:`\mathbf a_\gamma^\top\mathbf K_{\gamma\perp\beta}\mathbf a_\gamma
-        = \mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma - \lVert\mathbf c\rVert^2`, with the first term
-        from :meth:`mean_basis_quadratic_form` (exact, or this step's column-sampled estimate).
+        = \mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma - \lVert\mathbf c\rVert^2`
+        (:meth:`residual_quadratic_form`: exact, or this step's estimate).
         """
-        return self.mean_basis_quadratic_form(indices) - self.residual_coordinates().pow(2).sum(-1)
+        return self.residual_quadratic_form(indices)
 
     def kl_divergence(self) -> Tensor:
         return super().kl_divergence() + 0.5 * self.mean_quadratic_form()

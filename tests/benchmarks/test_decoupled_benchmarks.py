@@ -8,6 +8,7 @@ from benchmarks.cli import main
 from benchmarks.decoupled_accuracy_benchmark import GOALS as ACCURACY_GOALS
 from benchmarks.decoupled_accuracy_benchmark import value_at_time
 from benchmarks.decoupled_speed_benchmark import GOALS as SPEED_GOALS
+from benchmarks.decoupled_step_benchmark import GOALS as STEP_GOALS
 from benchmarks.methods import build_method
 from benchmarks.orthogonal_speed_benchmark import enlarge_mean_basis, mean_basis_with_replacement
 
@@ -103,3 +104,24 @@ def test_enlarged_mean_basis_is_trained_by_the_methods_optimizers(name):
     assert strategy.mean_coefficients.shape == (120,)
     assert not torch.equal(strategy.mean_coefficients.detach(), before)
     assert math.isfinite(method.objective())
+
+
+def test_decoupled_step_tiny_run(tmp_path, capsys):
+    main(
+        ["decoupled-step", "--dataset", "elevators", "--max-train-rows", "300", "--iterations", "4", "--warmup", "2",
+         "--repeats", "2", "--num-mean-inducing", "50", "--large-mean-size", "400", "--exact-size", "60",
+         "--num-inducing", "20", "--kl-draws", "3", "--block-rounds", "1", "--no-progress",
+         "--output-dir", str(tmp_path)]
+    )  # fmt: skip
+    payload = json.loads((tmp_path / "decoupled-step.json").read_text())
+    _every_goal_in_ratios_and_goals(payload, STEP_GOALS)
+    rows = {row["name"]: row for row in payload["rows"]}
+    assert set(rows) == {"svgp", "orthnat", "decoupled", "orthnat@Mγ=400"}
+    assert rows["orthnat@Mγ=400"]["sizes"] == "Mγ=400, Mβ=20"
+    assert all(len(values) == 2 for values in payload["per_repeat"].values())
+    assert payload["per_repeat"]["svgp"] == [1.0, 1.0]
+    # Bases this small have the exact KL in training: every draw equals the eval-mode value.
+    assert all(spread["std"] == 0 and spread["mean"] == pytest.approx(spread["exact"]) for spread in
+               payload["kl_spread"].values())  # fmt: skip
+    assert [entry["mean_size"] for entry in payload["kernel_block"]] == [50, 400]
+    assert "kl_relative_std_at_1e5" in capsys.readouterr().out
