@@ -6,9 +6,11 @@ One process, one thread (``--threads``), float32, kin40k split 0 by default, min
 1. **Step time.** GPyTorch's SVGP (Adam, :math:`M=200`), OrthNat (:math:`M_\\gamma=1000`, :math:`M_\\beta=200`),
    Decoupled (:math:`M_\\alpha=1000`, :math:`M_\\beta=200`) and OrthNat at :math:`M_\\gamma=10^5` (a basis drawn from
    the training rows with replacement plus a small jitter, as in ``orthogonal-speed``) train in lockstep on the same
-   mini-batches, ``--repeats`` times in a row (the same models go on training); each repeat gives each method's median
-   seconds per iteration divided by SVGP's of the same repeat, and the headline is the median over repeats, with
-   the range beside it. Peak memory at :math:`10^5` is taken over the warm-up of a separately built copy.
+   mini-batches (one step of each in turn, the order alternating), ``--repeats`` times in a row (the same models go
+   on training); each repeat gives each method's median CPU seconds per step (of this thread, which does all the
+   work: on a busy machine the wall clock mostly measures the wait for a core) divided by SVGP's of the same repeat,
+   and the headline is the median over repeats, with the range beside it. Peak memory at :math:`10^5` is taken over
+   the warm-up of a separately built copy.
 2. **KL spread.** After the step-time runs, the training-mode KL of the OrthNat models is drawn ``--kl-draws`` times
    on one mini-batch (a training forward pass, then the KL, as a training step computes it) and compared with the
    exact value (eval mode); a model at the largest basis with the exact KL by default (4,096 points, trained for
@@ -16,7 +18,7 @@ One process, one thread (``--threads``), float32, kin40k split 0 by default, min
    of :math:`\\mathbf K_\\gamma` sampled uniformly, no control variate) are reported without a goal.
 3. **Kernel block.** :func:`benchmarks.kernel_block_throughput.kernel_block_throughput` on the step's block
    (256 + 200 + 64 rows against the mean basis): entries per second as a fraction of ``torch.exp``'s rate on a
-   cache-resident array, measured in the same process, interleaved.
+   cache-resident array, measured in the same process, interleaved, in CPU time.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -31,10 +34,12 @@ import torch
 from .benchmark import Benchmark
 from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, load_split, run_config, split_config
 from .kernel_block_throughput import kernel_block_throughput
+from .method_result import MethodResult
 from .methods import Method, build_method
+from .metrics import gaussian_test_metrics
 from .orthogonal_speed_benchmark import enlarge_mean_basis, mean_basis_with_replacement
 from .report import benchmark_payload, format_ratios, format_table, write_results
-from .runner import _minibatches, split_tensors, train_in_lockstep, warmup_peak_memory
+from .runner import _minibatches, split_tensors, warmup_peak_memory
 
 NAME = "decoupled-step"
 REFERENCE = "svgp"
@@ -51,7 +56,7 @@ GOALS = {
 
 RATIO_NOTES = {
     "orthnat_time_per_iteration": (
-        "OrthNat (Mγ=1000, Mβ=200) ÷ GPyTorch SVGP (M=200), median s / iteration in lockstep; median over repeats"
+        "OrthNat (Mγ=1000, Mβ=200) ÷ GPyTorch SVGP (M=200), median CPU s / step in lockstep; median over repeats"
     ),
     "decoupled_time_per_iteration": "Decoupled (Mα=1000, Mβ=200) ÷ GPyTorch SVGP (M=200), as above",
     "orthnat_1e5_time_per_iteration": "OrthNat (Mγ=10^5, Mβ=200) ÷ GPyTorch SVGP (M=200), as above",
@@ -117,8 +122,9 @@ def _orthnat(train, args: argparse.Namespace, size: int, seed: int) -> Method:
     return method
 
 
-def kl_spread(method: Method, batch: torch.Tensor, draws: int) -> dict:
-    """Training-mode KL draws of a mean-basis method on one mini-batch against its exact (eval-mode) value."""
+def kl_spread(method: Method, batch: torch.Tensor, draws: int, exact: float | None = None) -> dict:
+    """Training-mode KL draws of a mean-basis method on one mini-batch against its exact (eval-mode) value (computed
+    here unless given: at 10^5 points it costs 10^10 kernel entries)."""
     model, strategy = method.model, method.model.variational_strategy
     values = []
     with torch.no_grad():
@@ -127,10 +133,11 @@ def kl_spread(method: Method, batch: torch.Tensor, draws: int) -> dict:
             strategy._clear_cache()
             model(batch)
             values.append(float(strategy.kl_divergence()))
-        model.eval()
-        strategy._clear_cache()
-        exact = float(strategy.kl_divergence())
-        model.train()
+        if exact is None:
+            model.eval()
+            strategy._clear_cache()
+            exact = float(strategy.kl_divergence())
+            model.train()
         strategy._clear_cache()
     mean, std = statistics.fmean(values), statistics.stdev(values)
     return {
@@ -145,7 +152,7 @@ def kl_spread(method: Method, batch: torch.Tensor, draws: int) -> dict:
     }
 
 
-def _uniform_rows_spread(method: Method, batch: torch.Tensor, draws: int) -> dict:
+def _uniform_rows_spread(method: Method, batch: torch.Tensor, draws: int, exact: float) -> dict:
     """:func:`kl_spread` with the previous estimator: uniformly sampled rows of K_γ, no control variate."""
     basis = method.model.variational_strategy.mean_basis
     basis.importance_sampling = False
@@ -155,14 +162,28 @@ def _uniform_rows_spread(method: Method, batch: torch.Tensor, draws: int) -> dic
         basis.importance_sampling = True
 
 
-def _more_rows_spread(method: Method, batch: torch.Tensor, draws: int, num_kl_columns: int) -> dict:
+def _more_rows_spread(method: Method, batch: torch.Tensor, draws: int, exact: float, num_kl_columns: int) -> dict:
     """:func:`kl_spread` with ``num_kl_columns`` drawn rows instead of the default."""
     basis = method.model.variational_strategy.mean_basis
     default, basis.num_kl_columns = basis.num_kl_columns, num_kl_columns
     try:
-        return kl_spread(method, batch, draws)
+        return kl_spread(method, batch, draws, exact)
     finally:
         basis.num_kl_columns = default
+
+
+def _lockstep_cpu_seconds(methods, batches, iterations: int, warmup: int) -> dict[str, float]:
+    """Steps the methods in lockstep on the same mini-batches (the order alternating each iteration) and returns each
+    one's median CPU seconds per step after ``warmup`` steps. CPU time of this thread (all the work, on one thread)
+    leaves out the time spent waiting for a core, which on a busy machine swamps wall-clock time."""
+    times = {name: [] for name, _ in methods}
+    for iteration in range(warmup + iterations):
+        x, y = next(batches)
+        for name, method in methods[:: 1 if iteration % 2 else -1]:
+            start = time.thread_time()
+            method.step(x, y)
+            times[name].append(time.thread_time() - start)
+    return {name: statistics.median(values[warmup:]) for name, values in times.items()}
 
 
 def _run(args: argparse.Namespace) -> dict:
@@ -198,27 +219,29 @@ def _measure(args: argparse.Namespace) -> dict:
     ]
     peak_mb = warmup_peak_memory(_orthnat(train, args, large, config.seed), train, config)
 
-    repeats = []
-    for _ in range(args.repeats):
-        results = train_in_lockstep(methods, train, test, split.y_std, config)
-        repeats.append(results)
-    per_repeat = {
-        name: [run[index].seconds_per_iteration / run[0].seconds_per_iteration for run in repeats]
-        for index, (name, _) in enumerate(methods)
-    }
-    results = repeats[-1]
+    batches = _minibatches(*train, config.batch_size, config.seed)
+    repeats = [_lockstep_cpu_seconds(methods, batches, config.iterations, config.warmup) for _ in range(args.repeats)]
+    per_repeat = {name: [run[name] / run[REFERENCE] for run in repeats] for name, _ in methods}
+    results = []
+    for name, method in methods:
+        metrics = gaussian_test_metrics(*method.predict(test[0]), test[1], split.y_std)
+        result = MethodResult(name=name, label=method.label, sizes=method.sizes, rmse=metrics["rmse"])
+        result.nll, result.iterations = metrics["nll"], args.repeats * config.iterations
+        result.seconds_per_iteration = statistics.median(run[name] for run in repeats)
+        results.append(result)
     results[-1].peak_memory_mb = peak_mb
 
     batch = next(_minibatches(*train, config.batch_size, config.seed + 1))[0]
     exact_method = _orthnat(train, args, args.exact_size, config.seed)
-    train_in_lockstep([(f"orthnat@Mγ={args.exact_size}", exact_method)], train, test, split.y_std, config)
+    _lockstep_cpu_seconds([("exact", exact_method)], batches, config.iterations, 0)
     spreads = {
         str(args.num_mean_inducing): kl_spread(methods[1][1], batch, args.kl_draws),
         str(args.exact_size): kl_spread(exact_method, batch, args.kl_draws),
         str(large): kl_spread(methods[3][1], batch, args.kl_draws),
-        f"{large}_uniform_rows": _uniform_rows_spread(methods[3][1], batch, args.kl_draws),
-        f"{large}_{3 * kl}_rows": _more_rows_spread(methods[3][1], batch, args.kl_draws, 3 * kl),
     }
+    exact = spreads[str(large)]["exact"]
+    spreads[f"{large}_uniform_rows"] = _uniform_rows_spread(methods[3][1], batch, args.kl_draws, exact)
+    spreads[f"{large}_{3 * kl}_rows"] = _more_rows_spread(methods[3][1], batch, args.kl_draws, exact, 3 * kl)
 
     rows = args.batch_size + m + kl
     block = kernel_block_throughput(

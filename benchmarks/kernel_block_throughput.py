@@ -5,7 +5,8 @@ A training step of a decoupled model spends most of its kernel work in one produ
 :math:`\\mathbf r` stack the mini-batch, the covariance basis and the sampled KL rows. Every entry of the block costs
 one exponential, so the exponential's rate on data already in cache bounds how fast the block can go; the block
 reaches it only if its tiles stay in cache (the untiled product streamed an :math:`n \\times M_\\gamma` array through
-memory and ran at a fraction of it). Both are measured in the same process, interleaved, on one thread.
+memory and ran at a fraction of it). Both are measured in the same process, interleaved, on one thread, in CPU time
+of the thread.
 """
 
 from __future__ import annotations
@@ -51,13 +52,14 @@ class BlockThroughput:
 
 
 def _best_seconds(function: Callable[[], object], repeats: int) -> float:
-    """The fastest of ``repeats`` calls (after one warm-up call): on a shared machine, the least disturbed one."""
+    """The least CPU time of this thread over ``repeats`` calls (after one warm-up call): on a shared machine, CPU time
+    leaves out the time the thread waits for a core, and the least of several calls the most disturbed caches."""
     function()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.thread_time()
         function()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.thread_time() - start)
     return best
 
 
