@@ -4,7 +4,18 @@ Decoupled, orthogonally decoupled, dual-parameterized (t-SVGP) and Kalman-recurs
 variational Bayesian kernel selection, as drop-in parts of :class:`gpytorch.models.ApproximateGP`.
 """
 
-from . import datasets, distributed, kernels, linalg, mlls, models, optim, variational
+from . import datasets, distributed, kernels, linalg, mlls, models, optim, validation, variational
 from .version import __version__
 
-__all__ = ["datasets", "distributed", "kernels", "linalg", "mlls", "models", "optim", "variational", "__version__"]
+__all__ = [
+    "datasets",
+    "distributed",
+    "kernels",
+    "linalg",
+    "mlls",
+    "models",
+    "optim",
+    "validation",
+    "variational",
+    "__version__",
+]

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from gpytorch.likelihoods import SoftmaxLikelihood
 from gpytorch.mlls import VariationalELBO
 from torch import Tensor
 
+from ..validation import check_targets
 from ..variational import DualVariationalStrategy
 
 
@@ -64,6 +67,32 @@ class DualVariationalELBO(VariationalELBO):
         strategy, _ = DualVariationalStrategy.of_model(model, "DualVariationalELBO")
         super().__init__(likelihood, model, num_data=num_data, beta=beta)
         self.dual_strategy = strategy
+
+    def forward(self, approximate_dist_f: MultivariateNormal, target: Tensor, **kwargs) -> Tensor:
+        r"""
+        The objective at the model's output ``approximate_dist_f`` (``model(x)``) and the targets, as
+        :class:`~gpytorch.mlls.VariationalELBO`.
+
+        :raises TypeError: If ``target`` is not a tensor.
+        :raises ValueError: If ``target`` does not have the output's shape (``(B,)``, or ``(B, T)`` for T tasks; class
+            labels ``(B,)`` for a softmax likelihood), device or dtype, or holds NaN/inf or values the likelihood does
+            not take (:mod:`gpytorch_decoupled.validation`).
+        """
+        shape = approximate_dist_f.event_shape
+        if isinstance(self.likelihood, SoftmaxLikelihood) and isinstance(
+            approximate_dist_f, MultitaskMultivariateNormal
+        ):
+            shape = shape[:-1]
+        check_targets(
+            target,
+            "target",
+            shape,
+            approximate_dist_f.mean,
+            self.likelihood,
+            approximate_dist_f.batch_shape,
+            rows_name="the model's output",
+        )
+        return super().forward(approximate_dist_f, target, **kwargs)
 
     def site_log_normalizer(self) -> Tensor:
         r""":math:`\log\mathcal Z(\theta) / n`, summed over latents: the first term of the decomposition

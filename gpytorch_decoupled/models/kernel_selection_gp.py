@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..gpytorch_compat import GaussianLikelihoodBase
 from ..kernels import CandidateKernelBank, KernelExpression, KernelSpace
+from ..validation import check_positive_int, check_positive_number, check_targets
 from ..variational import checked_inputs
 from .candidate_bank_gp import CandidateBankGP, StrategyFactory
 from .gaussian_mixture_predictive import GaussianMixturePredictive
@@ -218,6 +219,11 @@ class KernelSelectionGP(Module):
         :return: The per-iteration local-ELBO estimates divided by :math:`n`, shape ``(num_iterations, C)``.
         """
         x, y = self._checked_data(x, y)
+        check_positive_int(num_iterations, "num_iterations", minimum=0)
+        check_positive_int(batch_size, "batch_size")
+        check_positive_number(lr, "lr")
+        if elbo_scale is not None:
+            check_positive_number(elbo_scale, "elbo_scale")
         num_data = y.size(-1)
         batch_size = min(batch_size, num_data)
         self.train()
@@ -250,6 +256,7 @@ class KernelSelectionGP(Module):
         :func:`~gpytorch_decoupled.distributed.all_reduce_local_elbos`). Runs in training mode.
         """
         x, y = self._checked_data(x, y)
+        check_positive_int(batch_size, "batch_size")
         self.train()
         expected_log_likelihood = 0.0
         for start in range(0, y.size(-1), batch_size):
@@ -404,11 +411,11 @@ class KernelSelectionGP(Module):
         return self.local_elbo_estimates
 
     def _checked_data(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        x = checked_inputs(x, self.candidates.variational_strategy.inducing_points, self)
-        if x.dim() != 2 or y.shape != x.shape[:1]:
-            raise ValueError(f"need x of shape (n, d) and y of shape (n,), got {tuple(x.shape)} and {tuple(y.shape)}.")
-        if y.dtype != x.dtype or not torch.isfinite(y).all():
-            raise ValueError("targets must be finite and of the inputs' dtype.")
+        """``x`` ``(n, d)`` and ``y`` ``(n,)`` checked (:mod:`gpytorch_decoupled.validation`; labels against the
+        likelihood), before anything is computed or changed."""
+        inducing_points = self.candidates.variational_strategy.inducing_points
+        x = checked_inputs(x, inducing_points, self, dim=2)
+        check_targets(y, "y", (x.size(0),), inducing_points, self.likelihood)
         return x, y
 
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 import torch
 from gpytorch import settings
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
-from gpytorch.likelihoods import Likelihood
+from gpytorch.likelihoods import Likelihood, SoftmaxLikelihood
 from gpytorch.models import ApproximateGP
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from ..linalg import cholesky_solve, solve_lower_transpose
+from ..validation import check_targets, check_tensor
 from ..variational import DualPosteriorFactors, DualSiteStatistics, DualVariationalStrategy
 
 
@@ -143,10 +144,6 @@ class DualEStep(torch.optim.Optimizer):
             samples = self.num_likelihood_samples or settings.num_likelihood_samples.value()
             with settings.num_likelihood_samples(samples):
                 expected_log_prob = self.likelihood.expected_log_prob(y, marginals)
-            if expected_log_prob.shape[-1:] != y.shape[:1]:
-                raise ValueError(
-                    f"targets of shape {tuple(y.shape)} do not match the model's output {tuple(marginals.mean.shape)}."
-                )
             mean_gradient, variance_gradient = torch.autograd.grad(expected_log_prob.sum(), [mean, variance])
         curvature = (-2.0 * variance_gradient).clamp_min(self.min_curvature)
         first_target = curvature * statistics.centred_mean + mean_gradient
@@ -164,22 +161,20 @@ class DualEStep(torch.optim.Optimizer):
 
         :param x: Mini-batch inputs, ``(B, D)``.
         :param y: Mini-batch targets, of the shape the likelihood expects (``(B,)``, or ``(B, T)`` for a multitask
-            wrapper).
+            wrapper), with values it takes (e.g. labels in :math:`\{0, 1\}` for a Bernoulli likelihood).
         :param indices: Positions of the batch in ``datum_inputs``; required with per-datum sites, ignored otherwise.
+        :raises TypeError: If an argument is not a tensor.
+        :raises ValueError: On bad shapes, dtypes, devices, an empty batch, NaN/inf or labels the likelihood does not
+            take (:mod:`gpytorch_decoupled.validation`), before anything changes.
+        :raises RuntimeError: If the likelihood's derivatives are not finite or :math:`q` would not be positive
+            definite; the sites are then unchanged.
         """
         distribution = self.strategy._variational_distribution
-        if x.dim() != 2 or y.size(0) != x.size(0):
-            raise ValueError(f"need x of shape (B, D) and y with B rows, got {tuple(x.shape)} and {tuple(y.shape)}.")
-        if not torch.isfinite(y).all():
-            raise ValueError("targets contain NaN or inf; the sites were not changed.")
+        self.strategy.checked_inputs(x, dim=2)
+        shape, batch_shape = self._target_shape(x.size(0))
+        check_targets(y, "y", shape, self.strategy.inducing_points, self.likelihood, batch_shape)
         if distribution.per_datum:
-            if indices is None or indices.shape != (x.size(0),):
-                raise ValueError("per-datum sites need the batch's indices into datum_inputs, one per row of x.")
-            # Validate x first (width, dtype, device, NaN), so that a bad batch gets its own error, not a failed
-            # (or, across devices, impossible) comparison with datum_inputs.
-            self.strategy.checked_inputs(x)
-            if not torch.equal(distribution.datum_inputs[indices], x):
-                raise ValueError("x is not datum_inputs[indices]; the sites were not changed.")
+            self._check_indices(indices, x)
         reusable = None if distribution.per_datum else self._reusable_factors()
         self._last_factors = None
         first_target, second_target, statistics = self._targets(x, y, reusable)
@@ -213,6 +208,36 @@ class DualEStep(torch.optim.Optimizer):
         if not distribution.per_datum:
             state = {name: value.detach().clone() for name, value in self._model_state().items()}
             self._last_factors = (state, new_factors)
+
+    def _target_shape(self, batch_size: int) -> tuple[torch.Size, torch.Size]:
+        """The shape of a batch's targets and the batch shape of the latents they may have in front: ``(B,)`` per
+        latent, or ``(B, T)`` for the T tasks of a multitask wrapper (``(B,)`` for a softmax likelihood, whose
+        targets are class labels)."""
+        latent_shape = self.strategy._variational_distribution.batch_shape
+        if self.task_dim is None:
+            return torch.Size([batch_size]), latent_shape
+        tasks = latent_shape[self.task_dim]
+        other = [size for dim, size in enumerate(latent_shape) if dim != self.task_dim % len(latent_shape)]
+        shape = [batch_size] if isinstance(self.likelihood, SoftmaxLikelihood) else [batch_size, tasks]
+        return torch.Size(shape), torch.Size(other)
+
+    def _check_indices(self, indices: Tensor | None, x: Tensor) -> None:
+        """Per-datum sites need the batch's distinct positions in ``datum_inputs``, whose rows must be ``x``."""
+        datum_inputs = self.strategy._variational_distribution.datum_inputs
+        if indices is None:
+            raise ValueError("indices are required with per-datum sites: the batch's positions in datum_inputs.")
+        check_tensor(indices, "indices")
+        if indices.dtype != torch.int64 or indices.shape != (x.size(0),):
+            raise ValueError(
+                f"indices must be int64 of shape ({x.size(0)},), one per row of x, got {indices.dtype} of shape "
+                f"{tuple(indices.shape)}."
+            )
+        if indices.device != datum_inputs.device:
+            raise ValueError(f"indices are on {indices.device} but datum_inputs is on {datum_inputs.device}.")
+        if ((indices < 0) | (indices >= datum_inputs.size(0))).any() or indices.unique().numel() != indices.numel():
+            raise ValueError(f"indices must be distinct positions in 0..{datum_inputs.size(0) - 1} of datum_inputs.")
+        if not torch.equal(datum_inputs[indices], x):
+            raise ValueError("x is not datum_inputs[indices]; the sites were not changed.")
 
     def _combined_sums(
         self, whitened_mean_sum: Tensor, whitened_gram: Tensor, batch_size: int

@@ -9,6 +9,8 @@ from gpytorch.models import ApproximateGP
 from torch import Tensor
 
 from ..kernels import initialize_hyperparameters
+from ..validation import check_targets
+from ..variational import checked_inputs
 
 
 class BasisGrowth(NamedTuple):
@@ -107,22 +109,50 @@ class OnlineBasisGrowth:
         Grows the bases from the mini-batch ``x`` (and, on the first call, initializes the hyperparameters).
 
         :param x: The mini-batch's inputs, ``(B, D)``.
-        :param y: Its targets (for the median trick's noise; optional).
+        :param y: Its targets, ``(B,)`` (for the median trick's noise; optional).
         :return: The numbers of points added to the mean and to the covariance basis: this step changes the model's
             structure, not the value of an objective.
+        :raises TypeError: If ``x`` or ``y`` is not a tensor.
+        :raises ValueError: On bad shapes, dtypes, devices, an empty batch (fewer than two rows for the median trick)
+            or NaN/inf (:mod:`gpytorch_decoupled.validation`), before anything changes.
+        :raises RuntimeError: If the grown bases cannot be factorized (see ``grow_bases``); the model, the
+            likelihood and this object are then as they were.
         """
-        if self.initialize:
-            initialize_hyperparameters(self.model.covar_module, x, y, self.likelihood)
-            self.initialize = False
+        points = self.strategy.inducing_points
+        checked_inputs(x, points, self.model, "x", dim=2, min_rows=2 if self.initialize else 1)
+        if y is not None:
+            check_targets(y, "y", (x.size(0),), points, self.likelihood)
+        if not self.initialize:
+            return self._grow(x)
+        # The median trick and the growth change the model together or not at all.
+        modules = [self.model] if self.likelihood is None else [self.model, self.likelihood]
+        saved = [{name: value.clone() for name, value in module.state_dict().items()} for module in modules]
+        initialize_hyperparameters(self.model.covar_module, x, y, self.likelihood)
+        try:
+            grown = self._grow(x)
+        except Exception:
+            for module, state in zip(modules, saved, strict=True):
+                module.load_state_dict(state)
+            raise
+        self.initialize = False
+        return grown
+
+    def _grow(self, x: Tensor) -> BasisGrowth:
         num_mean = self._room(self.strategy.mean_inducing_points, self.max_mean_points, x)
         num_covariance = self._room(self.strategy.inducing_points, self.max_inducing_points, x)
         if num_mean or num_covariance:
+            generator_state = None if self.generator is None else self.generator.get_state()
             rows = torch.randperm(x.size(-2), generator=self.generator)[: max(num_mean, num_covariance)]
             rows = rows.to(x.device)
             before = dict(self.model.named_parameters())
-            self.strategy.grow_bases(
-                x[rows[:num_mean]] if num_mean else None, x[rows[:num_covariance]] if num_covariance else None
-            )
+            try:
+                self.strategy.grow_bases(
+                    x[rows[:num_mean]] if num_mean else None, x[rows[:num_covariance]] if num_covariance else None
+                )
+            except Exception:
+                if generator_state is not None:  # the failed step draws nothing
+                    self.generator.set_state(generator_state)
+                raise
             replaced = {
                 before[name]: parameter
                 for name, parameter in self.model.named_parameters()

@@ -57,9 +57,9 @@ class _DirectVariationalStrategy(VariationalStrategyBase):
         training mode with ``diag``); ``kwargs`` go to the model's prior."""
         raise NotImplementedError
 
-    def checked_inputs(self, x: Tensor) -> Tensor:
+    def checked_inputs(self, x: Tensor, name: str = "x", dim: int | None = None) -> Tensor:
         """``x`` validated against the inducing points (see :func:`~gpytorch_decoupled.variational.checked_inputs`)."""
-        return checked_inputs(x, self.inducing_points, self.model)
+        return checked_inputs(x, self.inducing_points, self.model, name, dim)
 
     def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
         x = self.checked_inputs(x)

@@ -8,7 +8,13 @@ from gpytorch.models import ApproximateGP
 from gpytorch.settings import trace_mode
 from gpytorch.utils.errors import CachingError
 from gpytorch.utils.memoize import cached, pop_from_cache_ignore_args
-from linear_operator.operators import DiagLinearOperator, LinearOperator, SumLinearOperator
+from linear_operator.operators import (
+    CholLinearOperator,
+    DiagLinearOperator,
+    LinearOperator,
+    SumLinearOperator,
+    TriangularLinearOperator,
+)
 from torch import Tensor
 
 from ..gpytorch_compat import (
@@ -18,9 +24,9 @@ from ..gpytorch_compat import (
     compute_predictive_updates,
     whitened_cholesky_factor,
 )
-from ..linalg import landmark_controlled_estimate, landmark_quadratic_form
+from ..linalg import jittered_cholesky, landmark_controlled_estimate, landmark_quadratic_form, symmetrized
 from ._replace_tensor import replace_tensor
-from .checked_inputs import checked_inputs
+from .checked_inputs import checked_basis_points, checked_inputs
 from .joint_prior import JointPrior, joint_prior
 from .mean_basis import EXACT_KL_SIZE, MeanBasis, MeanBasisAttribute, SampledRows, load_renamed_keys
 
@@ -291,11 +297,15 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
         """
         self._clear_cache()
         # Everything is validated and computed before the first change, so a failure leaves the model as it was.
-        mean_points = None if mean_points is None else checked_inputs(mean_points, self.inducing_points, self.model)
+        mean_points = (
+            None
+            if mean_points is None
+            else checked_basis_points(mean_points, self.inducing_points, self.model, "mean_points")
+        )
         target = None
         if inducing_points is not None:
             old = self.inducing_points
-            points = checked_inputs(inducing_points, old, self.model)
+            points = checked_basis_points(inducing_points, old, self.model, "inducing_points")
             new = torch.cat([old, points.expand(*old.shape[:-2], -1, -1)], dim=-2)
             q = self.variational_distribution
             old_chol = self._beta_cholesky()
@@ -320,7 +330,12 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
             shift = -self._covariance_block_mean(
                 torch.zeros_like(whitened_block), whiten(new_values.unsqueeze(-1)).squeeze(-1)
             )
-            target = MultivariateNormal(whitened_block + shift, whiten(whiten(new_covariance).mT))
+            # Far-apart or nearly coincident new points can leave the whitened covariance indefinite after rounding:
+            # factorize it in float64 with escalating jitter (a warning), or fail with a NotPSDError naming it.
+            factor = jittered_cholesky(
+                symmetrized(whiten(whiten(new_covariance).mT)), name="S_w grown with the covariance basis"
+            )
+            target = MultivariateNormal(whitened_block + shift, CholLinearOperator(TriangularLinearOperator(factor)))
             replace_tensor(self, "inducing_points", new)
         if mean_points is not None:
             self.mean_basis.grow(mean_points)

@@ -66,6 +66,30 @@ def convert_mean_basis(
         for name, value in source.model.state_dict().items()
         if "._variational_distribution." not in f".{name}"
     }
+    target_state = {
+        name: value
+        for name, value in target.model.state_dict().items()
+        if "._variational_distribution." not in f".{name}"
+    }
+    # Structure, shapes, dtypes and devices are checked before anything changes (load_state_dict would copy the
+    # matching entries before it raised on the others).
+    if set(target_state) != set(source_state):
+        raise ValueError(
+            f"the two models differ in structure: only in the source {sorted(set(source_state) - set(target_state))}, "
+            f"only in the target {sorted(set(target_state) - set(source_state))}."
+        )
+    for name, value in source_state.items():
+        other = target_state[name]
+        if isinstance(value, torch.Tensor) and (value.shape, value.dtype, value.device) != (
+            other.shape,
+            other.dtype,
+            other.device,
+        ):
+            raise ValueError(
+                f"{name} is {tuple(value.shape)} {value.dtype} on {value.device} in the source but "
+                f"{tuple(other.shape)} {other.dtype} on {other.device} in the target: the two models need the same "
+                "bases (sizes), dtype and device."
+            )
     source._clear_cache()  # parameters may have changed in place since the last call
     with torch.no_grad():
         initialize_from_prior(source)  # as GPyTorch would on the first call
@@ -82,12 +106,6 @@ def convert_mean_basis(
             raise ValueError(
                 "the target's MeanFieldVariationalDistribution cannot represent the source's full covariance; use a "
                 "full-covariance distribution (e.g. CholeskyVariationalDistribution) for the target."
-            )
-        target_names = {name for name in target.model.state_dict() if "._variational_distribution." not in f".{name}"}
-        if target_names != set(source_state):
-            raise ValueError(
-                f"the two models differ in structure: only in the source {sorted(set(source_state) - target_names)}, "
-                f"only in the target {sorted(target_names - set(source_state))}."
             )
         target.model.load_state_dict(source_state, strict=False)
         target._resize_variational_distribution(MultivariateNormal(source_distribution.mean + shift, covariance))

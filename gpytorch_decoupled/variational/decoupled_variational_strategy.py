@@ -12,6 +12,7 @@ from torch import Tensor
 from ..linalg import jittered_cholesky, solve_lower, whitened_kl
 from ._direct_variational_strategy import _DirectVariationalStrategy
 from ._replace_tensor import replace_tensor
+from .checked_inputs import checked_basis_points
 from .decoupled_variational_distribution import DecoupledVariationalDistribution
 from .joint_prior import joint_prior
 from .mean_basis import EXACT_KL_SIZE, MeanBasis, MeanBasisAttribute, load_renamed_keys
@@ -226,10 +227,15 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
         :param inducing_points: New :math:`\beta` points, ``(n, D)``, shared by every latent of the batch.
         """
         distribution = self._variational_distribution
-        mean_points = None if mean_points is None else self.checked_inputs(mean_points)
+        points_like = self.inducing_points
+        mean_points = (
+            None if mean_points is None else checked_basis_points(mean_points, points_like, self.model, "mean_points")
+        )
         if inducing_points is not None:
             old = self.inducing_points
-            points = self.checked_inputs(inducing_points).expand(*old.shape[:-2], -1, -1)
+            points = checked_basis_points(inducing_points, old, self.model, "inducing_points").expand(
+                *old.shape[:-2], -1, -1
+            )
             replace_tensor(self, "inducing_points", torch.cat([old, points], dim=-2))
             padding = (0, points.size(-2), 0, points.size(-2))
             replace_tensor(

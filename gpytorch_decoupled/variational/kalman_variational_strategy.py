@@ -11,6 +11,7 @@ from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator
 from torch import Tensor
 
 from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower, symmetrized
+from ..validation import check_targets, check_tensor
 from ._direct_variational_strategy import _DirectVariationalStrategy
 from ._kalman_terms import (
     KalmanIncrements,
@@ -304,38 +305,32 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
     # ------------------------------------------------------------------ the update protocol
     # update() is these steps in turn; the optimizers of gpytorch_decoupled.optim, the collapsed bound of
     # gpytorch_decoupled.mlls and the distributed helpers take them apart (gradients, several processes).
-    def checked_data(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    def checked_data(self, x: Tensor, y: Tensor, names: tuple[str, str] = ("x", "y")) -> tuple[Tensor, Tensor]:
         r"""
-        A mini-batch validated before anything is computed from it: ``x`` as ``(..., B, D)`` (padded like the inducing
-        points, see :func:`~gpytorch_decoupled.variational.checked_inputs`) and ``y`` as ``(..., B)``.
+        A mini-batch validated before anything is computed from it (:mod:`gpytorch_decoupled.validation`): ``x`` as
+        ``(..., B, D)`` (padded like the inducing points, see :func:`~gpytorch_decoupled.variational.checked_inputs`)
+        and ``y`` as ``(..., B)``, in the model's dtype and on its device.
 
+        :param names: What ``x`` and ``y`` are called in the errors.
         :raises TypeError: If ``x`` or ``y`` is not a tensor.
         :raises ValueError: On bad shapes (also batch shapes that do not broadcast to the latents'), dtypes, devices,
             an empty mini-batch or NaN/inf.
         """
-        if not isinstance(x, Tensor) or not isinstance(y, Tensor):
-            raise TypeError(f"x and y must be tensors, got {type(x).__name__} and {type(y).__name__}.")
+        x_name, y_name = names
+        check_tensor(x, x_name)
+        check_tensor(y, y_name)
         if x.dim() == 1:
             x = x.unsqueeze(-1)
-        x = self.checked_inputs(x)
-        if y.dim() == 0 or y.size(-1) != x.size(-2):
-            raise ValueError(
-                f"y must have shape (..., {x.size(-2)}) to match x {tuple(x.shape)}, got {tuple(y.shape)}."
-            )
-        if x.size(-2) == 0:
-            raise ValueError("the mini-batch is empty.")
-        if y.dtype != x.dtype or y.device != x.device:
-            raise ValueError(f"y is {y.dtype} on {y.device} but x is {x.dtype} on {x.device}.")
-        if not torch.isfinite(y).all():
-            raise ValueError("y contains NaN or inf.")
+        x = self.checked_inputs(x, x_name)
         latent_shape = self._variational_distribution.batch_shape
+        check_targets(y, y_name, (x.size(-2),), self.inducing_points, self.likelihood, latent_shape, x_name)
         try:
             batch_shape = torch.broadcast_shapes(x.shape[:-2], y.shape[:-1], latent_shape)
         except RuntimeError:
             batch_shape = None
         if batch_shape != latent_shape:
             raise ValueError(
-                f"x {tuple(x.shape)} and y {tuple(y.shape)} do not broadcast to the latent batch shape "
+                f"{x_name} {tuple(x.shape)} and {y_name} {tuple(y.shape)} do not broadcast to the latent batch shape "
                 f"{tuple(latent_shape)} of the inducing points."
             )
         return x, y

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 #: Per helper of the job's first part: the rank given bad data and what its error says.
 FAILURES = {
-    "e_step": (1, "targets contain NaN"),
+    "e_step": (1, "y contains NaN or inf"),
     "gradients": (1, "NaN or inf"),
     "synchronize": (0, "rank 0 could not read its batch"),
     "kalman": (1, "ValueError"),

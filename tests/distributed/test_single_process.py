@@ -115,7 +115,7 @@ def test_on_one_rank_the_e_step_is_the_single_process_one(group_of_one):
     for expected, actual in zip(*(dual_problems.site_values(model) for model in models), strict=True):
         torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
     before = dual_problems.site_values(models[1])
-    with pytest.raises(DistributedStepError, match="rank 0: ValueError: need x of shape"):
+    with pytest.raises(DistributedStepError, match=r"rank 0: ValueError: x must have shape \(n, D\)"):
         steps[1].step(X[:5, :1].squeeze(-1), y[:5])
     assert all(torch.equal(a, b) for a, b in zip(before, dual_problems.site_values(models[1]), strict=True))
 

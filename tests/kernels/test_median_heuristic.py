@@ -38,21 +38,41 @@ class TestMedianLengthscales(unittest.TestCase):
         self.assertEqual(median_lengthscales(torch.randn(3000, 2)).shape, torch.Size([2]))
 
     def test_constant_column(self):
+        """R6 of issue 20: a zero median gave length-scale eps, a NaN loss at step 2 and NaN parameters."""
         for dtype in (torch.float32, torch.float64):
             x = torch.cat([self.x[:, :1], torch.full((40, 1), 3.0, dtype=torch.float64)], dim=-1).to(dtype)
-            result = median_lengthscales(x)
+            with self.assertWarnsRegex(RuntimeWarning, "column 1 is constant.*set to"):
+                result = median_lengthscales(x)
             self.assertEqual(result.dtype, dtype)
-            self.assertEqual(result[1].item(), torch.finfo(dtype).eps)
-            self.assertGreater(result[0].item(), 1e-3)
+            # the only other column's median stands in for the constant one
+            self.assertEqual(result[1].item(), result[0].item())
+            self.assertEqual(result[0].item(), median_lengthscales(x[:, :1]).item())
+        with self.assertWarnsRegex(RuntimeWarning, "the inputs are constant"):
+            self.assertEqual(median_lengthscales(torch.ones(5, 2), ard=False).tolist(), [1.0])
+        with self.assertWarnsRegex(RuntimeWarning, "columns 0, 1 are constant.*set to 1 "):
+            self.assertEqual(median_lengthscales(torch.ones(5, 2)).tolist(), [1.0, 1.0])
+
+    def test_mostly_repeated_column(self):
+        # 30 zeros and 10 fives: 435 + 45 of the 780 pairs are at distance 0, the other 300 at distance 5
+        column = torch.cat([torch.zeros(30), torch.full((10,), 5.0)]).double()
+        x = torch.stack([column, self.x[:, 1]], dim=-1)
+        with self.assertWarnsRegex(RuntimeWarning, "column 0 mostly repeats one value"):
+            result = median_lengthscales(x)
+        self.assertEqual(result[0].item(), 5.0)
+        torch.testing.assert_close(result[1], median_lengthscales(x[:, 1:])[0], rtol=0, atol=0)
 
     def test_bad_inputs(self):
         for bad in (torch.randn(1, 3), torch.randn(5), torch.randn(2, 4, 3)):
             with self.assertRaisesRegex(ValueError, "N >= 2"):
                 median_lengthscales(bad)
+        with self.assertRaisesRegex(TypeError, "x must be floating-point"):
+            median_lengthscales(torch.ones(4, 2, dtype=torch.int64))
+        with self.assertRaisesRegex(TypeError, "x must be a torch.Tensor"):
+            median_lengthscales([[0.0], [1.0]])
         for value in (float("nan"), float("inf")):
             x = self.x.clone()
             x[3, 1] = value
-            with self.assertRaisesRegex(ValueError, "non-finite"):
+            with self.assertRaisesRegex(ValueError, "x contains NaN or inf"):
                 median_lengthscales(x)
 
 
@@ -94,19 +114,28 @@ class TestInitializeHyperparameters(unittest.TestCase):
     def test_errors(self):
         with self.assertRaisesRegex(ValueError, "no kernel with a length-scale"):
             initialize_hyperparameters(gpytorch.kernels.LinearKernel(), self.x)
-        with self.assertRaisesRegex(ValueError, "3 length-scales but x has width 2"):
+        with self.assertRaisesRegex(ValueError, "x has 2 columns but RBFKernel has 3 length-scales"):
             initialize_hyperparameters(gpytorch.kernels.RBFKernel(ard_num_dims=3), self.x[:, :2])
         with self.assertRaises(TypeError):
             initialize_hyperparameters(
                 gpytorch.kernels.RBFKernel(), self.x, self.y, gpytorch.likelihoods.BernoulliLikelihood()
             )
-        with self.assertRaisesRegex(ValueError, "finite outputs"):
-            initialize_hyperparameters(
-                gpytorch.kernels.RBFKernel(),
-                self.x,
-                torch.tensor([float("nan"), 1.0]),
-                gpytorch.likelihoods.GaussianLikelihood(),
-            )
+
+    def test_bad_outputs_change_nothing(self):
+        """R3 of issue 20: the length-scales and output scale were set before y was checked."""
+        for y, message in (
+            (torch.tensor([float("nan"), 1.0]).double(), "y contains NaN or inf"),
+            (torch.ones(1).double(), "at least two real values"),
+            (torch.ones(5, dtype=torch.int64), "at least two real values"),
+        ):
+            covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+            likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+            before = [{k: v.clone() for k, v in m.state_dict().items()} for m in (covar_module, likelihood)]
+            with self.assertRaisesRegex(ValueError, message):
+                initialize_hyperparameters(covar_module, self.x, y, likelihood)
+            for module, state in zip((covar_module, likelihood), before):
+                for name, value in module.state_dict().items():
+                    self.assertTrue(torch.equal(value, state[name]), name)
 
 
 if __name__ == "__main__":

@@ -226,13 +226,24 @@ def test_bad_input_raises_and_changes_nothing():
     bad_y = y.clone()
     bad_y[3] = float("nan")
     for args, match in [
-        ((x, bad_y), "finite"),
-        ((x, y[:-1]), "shape"),
-        ((x.float(), y.float()), "dtype|float"),
-        ((torch.cat([x, x], -1), y), "dimensions"),
+        ((x, bad_y), "y contains NaN or inf"),
+        ((x, y[:-1]), r"y must have shape \(40,\)"),
+        ((x.float(), y.float()), "x is torch.float32"),
+        ((torch.cat([x, x], -1), y), "x has 2 columns"),
+        ((x[:0], y[:0]), "x is empty"),  # issue 20: an obscure error before
+        ((x, y.unsqueeze(-1)), r"y must have shape \(40,\) to match x, got \(40, 1\)"),
     ]:
         with pytest.raises(ValueError, match=match):
             model.fit(*args, num_iterations=2, progress=False)
+    for settings, error, match in [
+        ({"batch_size": 0}, ValueError, "batch_size must be at least 1"),
+        ({"batch_size": 2.5}, TypeError, "batch_size must be an integer"),
+        ({"num_iterations": -1}, ValueError, "num_iterations must be at least 0"),
+        ({"lr": float("nan")}, ValueError, "lr must be finite and positive"),
+        ({"elbo_scale": 0.0}, ValueError, "elbo_scale must be finite and positive"),
+    ]:
+        with pytest.raises(error, match=match):
+            model.fit(x, y, **{"num_iterations": 2, "progress": False, **settings})
     with pytest.raises(RuntimeError, match="no local ELBOs"):
         model.predict(x)
     assert all(

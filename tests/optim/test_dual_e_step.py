@@ -239,13 +239,19 @@ def _bad_inputs(X: torch.Tensor, y: torch.Tensor) -> dict[str, tuple]:
     nan_x[3, 1] = float("nan")
     nan_y[5] = float("nan")
     return {
-        "x width": (X[:, :1], y, ValueError, "dimensions"),
+        "x width": (X[:, :1], y, ValueError, "x has 1 columns"),
         "x dtype": (X.float(), y, ValueError, "float32"),
         "x device": (torch.empty_like(X, device="meta"), y, ValueError, "meta"),
         "x NaN": (nan_x, y, ValueError, "NaN"),
         "y NaN": (X, nan_y, ValueError, "NaN"),
-        "y length": (X, y[:-1], ValueError, "B rows"),
+        "y length": (X, y[:-1], ValueError, r"y must have shape \(60,\) to match x"),
         "x not a matrix": (X.unsqueeze(0), y, ValueError, "shape"),
+        # R1 of issue 20: (B, 1) targets broadcast against the (B,) marginals (site precision 11,026 instead of 55)
+        "y column": (X, y.unsqueeze(-1), ValueError, r"y must have shape \(60,\) to match x, got \(60, 1\)"),
+        # R8 of issue 20: an empty batch raised ZeroDivisionError
+        "empty": (X[:0], y[:0], ValueError, "x is empty"),
+        "y int": (X, y.long(), ValueError, "y must be real-valued"),
+        "y not a tensor": (X, y.tolist(), TypeError, "y must be a torch.Tensor"),
     }
 
 
@@ -262,6 +268,28 @@ def test_bad_input_raises_and_leaves_the_sites_unchanged(case: str, per_datum: b
     assert_same_state(model, state)
     e_step.step(X, y, indices)  # and the E-step still works afterwards
     assert not torch.equal(site_values(model)[0], state[_site_mean_name(per_datum)])
+
+
+@pytest.mark.parametrize("labels", [[0.0, 2.0], [0.5, 1.0], [-1.0, 0.0, 1.0], [float("nan"), 1.0]])
+def test_labels_the_bernoulli_likelihood_does_not_take_are_refused(labels: list[float]) -> None:
+    """R2 of issue 20: labels {0, 2} or 0.5 were silently accepted (GPyTorch 1.15 reads {0, 1}, and {-1, 1} with a
+    DeprecationWarning; a mixture of the two conventions means neither)."""
+    Z, X, y = problem()
+    model, likelihood = DualGP(Z), bernoulli_likelihood()
+    e_step = DualEStep(model, likelihood, num_data=X.size(0), lr=0.5)
+    objective = DualVariationalELBO(likelihood, model, num_data=X.size(0))
+    bad = torch.tensor(labels, dtype=F64).repeat(X.size(0))[: X.size(0)]
+    output = model(X)  # the first call records itself
+    state = state_snapshot(model)
+    with pytest.raises(ValueError, match="y has values .* BernoulliLikelihood takes labels in|y contains NaN"):
+        e_step.step(X, bad)
+    with pytest.raises(
+        ValueError, match="target has values .* BernoulliLikelihood takes labels in|target contains NaN"
+    ):
+        objective(output, bad)
+    assert_same_state(model, state)
+    e_step.step(X, binary_labels(y))  # {0, 1} works, in any numeric dtype
+    e_step.step(X, binary_labels(y).long())
 
 
 def _site_mean_name(per_datum: bool) -> str:

@@ -1,10 +1,13 @@
 """Basis growth (spec §6.1): ``grow_bases`` leaves q unchanged, and OnlineBasisGrowth drives it from mini-batches."""
 
 import unittest
+import unittest.mock
 
 import gpytorch
 import torch
+from linear_operator.utils.errors import NotPSDError
 
+from gpytorch_decoupled import datasets
 from gpytorch_decoupled.kernels import GeneralizedRBFKernel
 from gpytorch_decoupled.optim import OnlineBasisGrowth
 from gpytorch_decoupled.variational import (
@@ -126,7 +129,7 @@ class TestGrowBases(unittest.TestCase):
         state = {name: value.clone() for name, value in model.state_dict().items()}
         with self.assertRaisesRegex(ValueError, "NaN"):
             model.variational_strategy.grow_bases(torch.full((2, 2), float("nan")).double(), None)
-        with self.assertRaisesRegex(ValueError, "dimensions"):
+        with self.assertRaisesRegex(ValueError, "inducing_points has 3 columns"):
             model.variational_strategy.grow_bases(None, torch.randn(2, 3).double())
         for name, value in model.state_dict().items():
             torch.testing.assert_close(value, state[name], rtol=0, atol=0)
@@ -180,6 +183,84 @@ class TestOnlineBasisGrowth(unittest.TestCase):
         lengthscale_after_first = lengthscale.clone()
         growth.step(self.x[100:200], self.y[100:200])  # only the first mini-batch initializes
         torch.testing.assert_close(model.covar_module.base_kernel.lengthscale.squeeze(0), lengthscale_after_first)
+
+    def test_bad_first_batch_changes_nothing(self):
+        """R3 of issue 20: the median trick ran before the batch was checked."""
+        x, y = self.x[:50], self.y[:50]
+        nan_y = y.clone()
+        nan_y[3] = float("inf")
+        cases = [
+            (x.float(), y, "x is torch.float32"),
+            (x, y.long(), "y must be real-valued"),
+            (x, nan_y, "y contains NaN or inf"),
+            (x, torch.empty_like(y, device="meta"), "y is on meta"),
+            (x[:1], y[:1], "x has 1 rows, at least 2"),
+            (x[:0], y[:0], "x is empty"),
+            (x, y[:-1], r"y must have shape \(50,\)"),
+            (x.unsqueeze(0), y, r"x must have shape \(n, D\)"),
+        ]
+        for bad_x, bad_y, message in cases:
+            model = decoupled_model(self.x[:1], self.x[:1])
+            likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+            growth = OnlineBasisGrowth(
+                model, 10, 5, 5, likelihood=likelihood, generator=torch.Generator().manual_seed(0)
+            )
+            before = [{k: v.clone() for k, v in m.state_dict().items()} for m in (model, likelihood)]
+            generator_state = growth.state_dict()["generator"].clone()
+            with self.assertRaisesRegex(ValueError, message):
+                growth.step(bad_x, bad_y)
+            for module, state in zip((model, likelihood), before):
+                self.assertEqual(module.state_dict().keys(), state.keys())
+                for name, value in module.state_dict().items():
+                    self.assertTrue(torch.equal(value, state[name]), name)
+            self.assertTrue(growth.initialize)
+            self.assertTrue(torch.equal(growth.state_dict()["generator"], generator_state))
+
+    def test_a_failed_growth_undoes_the_median_trick(self):
+        model = residual_model(
+            HybridVariationalStrategy, gpytorch.variational.CholeskyVariationalDistribution, self.x[:3], self.x[:4]
+        )
+        likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+        growth = OnlineBasisGrowth(model, 10, 8, 5, likelihood=likelihood, generator=torch.Generator().manual_seed(0))
+        before = [{k: v.clone() for k, v in m.state_dict().items()} for m in (model, likelihood)]
+        generator_state = growth.state_dict()["generator"].clone()
+        failure = NotPSDError("S_w grown with the covariance basis is not positive definite")
+        with unittest.mock.patch.object(model.variational_strategy, "grow_bases", side_effect=failure):
+            with self.assertRaisesRegex(RuntimeError, "not positive definite"):
+                growth.step(self.x[:50], self.y[:50])
+        for module, state in zip((model, likelihood), before):
+            for name, value in module.state_dict().items():
+                self.assertTrue(torch.equal(value, state[name]), name)
+        self.assertTrue(growth.initialize)
+        self.assertTrue(torch.equal(growth.state_dict()["generator"], generator_state))
+
+    def test_constant_columns_in_the_first_batch_of_elevators(self):
+        """R6 of issue 20: the class docstring's recipe on elevators, whose first batch of 100 has two constant
+        columns and two that mostly repeat a value; the zero medians gave length-scales of 2.2e-16, a NaN loss at step 2
+        and NaN parameters after Adam's step."""
+        x, y, _, _ = datasets.load("elevators", split=0)
+        order = torch.randperm(x.size(0), generator=torch.Generator().manual_seed(0))
+        model = decoupled_model(x[:1].double(), x[:1].double()).float()
+        model.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=18))
+        likelihood = gpytorch.likelihoods.GaussianLikelihood()
+        mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=x.size(0))
+        optimizer = torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=0.01)
+        growth = OnlineBasisGrowth(model, 200, 20, 10, optimizers=[optimizer], likelihood=likelihood)
+        for step, batch in enumerate(order.split(100)[:4]):
+            if step == 0:
+                with self.assertWarnsRegex(RuntimeWarning, "columns 14, 16 are constant"):
+                    growth.step(x[batch], y[batch])
+                lengthscale = model.covar_module.base_kernel.lengthscale.detach()
+                self.assertGreater(lengthscale.min().item(), 1e-2)
+            else:
+                growth.step(x[batch], y[batch])
+            optimizer.zero_grad()
+            loss = -mll(model(x[batch]), y[batch])
+            loss.backward()
+            optimizer.step()
+            self.assertTrue(torch.isfinite(loss))
+        for name, parameter in [*model.named_parameters(), *likelihood.named_parameters()]:
+            self.assertTrue(torch.isfinite(parameter).all(), name)
 
     def test_step_returns_what_it_added_and_state_dict_resumes_the_row_choice(self):
         runs = []

@@ -152,7 +152,7 @@ def test_bad_approximations_are_refused(approximation, alpha, match):
         (lambda x, y: (x.clone().index_fill_(0, torch.tensor([1]), float("inf")), y), "NaN or inf"),
         (lambda x, y: (x, y[:-1]), "shape"),
         (lambda x, y: (x, y[0]), "shape"),
-        (lambda x, y: (torch.cat([x, x], dim=-1), y), "dimensions"),
+        (lambda x, y: (torch.cat([x, x], dim=-1), y), "x has 2 columns"),
         (lambda x, y: (x, y.float()), "float32"),
         (lambda x, y: (x.float(), y.float()), "float32"),
         (lambda x, y: (x[:0], y[:0]), "empty"),

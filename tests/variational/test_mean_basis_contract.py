@@ -80,7 +80,13 @@ def test_bad_inputs_raise_and_change_nothing(kind: str, distribution_cls, strate
     with_nan[3, 1] = float("nan")
     with_inf = X.clone()
     with_inf[0, 0] = -float("inf")
-    bad_inputs = [(X[:, :1], "dimensions"), (with_nan, "NaN"), (with_inf, "inf"), (X.float(), "float32")]
+    bad_inputs = [
+        (X[:, :1], "x has 1 columns"),
+        (X[:0], "x is empty"),
+        (with_nan, "NaN"),
+        (with_inf, "inf"),
+        (X.float(), "float32"),
+    ]
     for training in (False, True):
         model.train(training)
         if training:  # a training step leaves its own caches; a refused call must not clear them
