@@ -22,6 +22,7 @@ from .recursive_benchmark import RECURSIVE
 from .run_config import RunConfig
 from .runner import compare, train_and_evaluate
 from .srgp_step_benchmark import SRGP_STEP
+from .tsvgp_benchmark import TSVGP
 
 BENCHMARKS: dict[str, Benchmark] = {
     benchmark.name: benchmark
@@ -33,6 +34,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         DECOUPLED_ACCURACY,
         DECOUPLED_STEP,
         DUAL,
+        TSVGP,
         RECURSIVE,
         SRGP_STEP,
         KERNEL_SELECTION,

@@ -14,19 +14,20 @@ class DualMethod(EMMethod):
     r"""
     This package's t-SVGP (Adam et al., 2021): a :class:`~gpytorch_decoupled.variational.DualVariationalStrategy`
     whose sites are set by the closed-form natural-gradient E-step :class:`~gpytorch_decoupled.optim.DualEStep`
-    (step ``e_step_lr``, no autograd graph through the model), with an Adam M-step on
-    :class:`~gpytorch_decoupled.mlls.DualVariationalELBO` over the hyperparameters and inducing inputs. One
-    :meth:`step` is one E-step and one M-step on the same mini-batch.
+    (no autograd graph through the model), with an Adam M-step on :class:`~gpytorch_decoupled.mlls.DualVariationalELBO`
+    over the hyperparameters and inducing inputs.
 
-    The E-step of size :math:`r` is a natural-gradient step on :math:`q` (docs/derivations.md, "The E-step is one
-    natural-gradient step"); on mini-batches it
-    averages noisy site estimates, so :math:`r < 1`. The default :math:`r = 0.1` (``svgp-ngd``'s NGD step) gave the
-    lowest test NLL of 0.03, 0.05, 0.1, 0.2, 0.3, 0.5 and 1 on elevators (batch 256, :math:`M = 200`,
-    Adam at 0.01, 20 s); 1 is exact only for a full Gaussian batch.
+    :meth:`step` is the package's default mini-batch schedule (README, :class:`~gpytorch_decoupled.optim.DualEStep`):
+    the M-step's forward and backward pass, then the E-step at the same batch, which takes that forward pass's
+    marginals instead of evaluating the kernel and factorizing again, then the M-step's Adam step; the E-step size is
+    :math:`r_t = \max(1/t, r_{\min})` (the running average of the batch estimates, then a constant floor so that the
+    sites keep following the hyperparameters). Full-batch EM (the ``dual`` benchmark's part 2) calls :meth:`e_step`
+    and :meth:`m_step` itself, with a constant ``e_step_lr``.
 
     :param train_x: Training inputs.
     :param train_y: Training targets (standardized for regression; labels for classification).
-    :param e_step_lr: E-step size :math:`r \in (0, 1]`.
+    :param e_step_lr: E-step size :math:`r \in (0, 1]` of :meth:`e_step`, and :math:`r_{\min}` of :meth:`step`'s
+        schedule (default 0.1).
     :param num_likelihood_samples: Monte Carlo samples of the E-step for likelihoods without quadrature.
     :param options: ``num_inducing`` (default 200), ``lr`` (Adam, default 0.01), ``seed``, ``inducing_points``,
         ``covar_module``, ``likelihood``, ``num_latents``: see :class:`EMMethod`.
@@ -45,6 +46,7 @@ class DualMethod(EMMethod):
             return DualVariationalStrategy(model, points, distribution, learn_inducing_locations=True)
 
         super().__init__("t-SVGP (dual, ours)", make_strategy, DualVariationalELBO, train_x, train_y, **options)
+        self.e_step_lr = e_step_lr
         self.dual_e_step = DualEStep(
             self.model,
             self.likelihood,
@@ -52,7 +54,19 @@ class DualMethod(EMMethod):
             lr=e_step_lr,
             num_likelihood_samples=num_likelihood_samples,
         )
+        self._steps = 0
 
     def e_step(self, x: Tensor, y: Tensor) -> None:
         self._set_training(True)
         self.dual_e_step.step(x, y)
+
+    def step(self, x: Tensor, y: Tensor) -> None:
+        self._set_training(True)
+        self._steps += 1
+        self.dual_e_step.param_groups[0]["lr"] = max(1.0 / self._steps, self.e_step_lr)
+        loss = -self.mll(self.model(x), y)
+        gradients = torch.autograd.grad(loss, self.m_parameters, allow_unused=True)
+        self.dual_e_step.step(x, y)  # the marginals of this forward pass, before the M-step moves the hyperparameters
+        for parameter, gradient in zip(self.m_parameters, gradients, strict=True):
+            parameter.grad = gradient
+        self.optimizers[0].step()

@@ -24,6 +24,7 @@ class SVGPMethod(ApproximateGPMethod):
     :param lr: Adam learning rate.
     :param ngd_lr: NGD step size (``natural=True`` only).
     :param seed: Seed for the inducing-point draw and initial parameters.
+    :param likelihood: The likelihood (default: Gaussian).
     """
 
     def __init__(
@@ -35,6 +36,7 @@ class SVGPMethod(ApproximateGPMethod):
         lr: float = 0.01,
         ngd_lr: float = 0.1,
         seed: int = 0,
+        likelihood: gpytorch.likelihoods.Likelihood | None = None,
     ):
         torch.manual_seed(seed)
         inducing_points = initial_inducing_points(train_x, num_inducing, seed)
@@ -51,7 +53,7 @@ class SVGPMethod(ApproximateGPMethod):
             )
 
         model = ApproximateRegressionModel(make_strategy, train_x.size(-1)).to(train_x)
-        likelihood = gpytorch.likelihoods.GaussianLikelihood().to(train_x)
+        likelihood = (likelihood or gpytorch.likelihoods.GaussianLikelihood()).to(train_x)
         if natural:
             optimizers = [
                 gpytorch.optim.NGD(model.variational_parameters(), num_data=train_y.size(0), lr=ngd_lr),

@@ -47,6 +47,19 @@ class DualEStep(torch.optim.Optimizer):
     factorized, raises an error and leaves the sites unchanged. A learning-rate scheduler may drive :math:`r` (e.g.
     :math:`r_t = 1/t` over one epoch of a partition gives the full-batch step exactly, identity T4).
 
+    **The default schedule for mini-batches** (README, notebook 04): per mini-batch, the M-step's forward and backward
+    pass on :class:`~gpytorch_decoupled.mlls.DualVariationalELBO`, then :meth:`step` at the same mini-batch, then the
+    M-step's optimizer step, with :math:`r_t = \max(1/t, 0.1)` (``torch.optim.lr_scheduler.LambdaLR(e_step,
+    lambda t: max(1 / (t + 1), 0.1))`` on ``lr=1``): the running average of the mini-batch estimates at first, then
+    a constant weight so that the sites keep following the hyperparameters. The E-step then takes the marginals that
+    the forward pass computed (:meth:`~gpytorch_decoupled.variational.DualVariationalStrategy.site_statistics`), with
+    no kernel evaluation or factorization of its own, and costs :math:`O(BM^2)` plus one :math:`M \times M`
+    factorization; it must come after ``backward()`` (it changes the sites the graph holds) and before the optimizer
+    step (which changes what the marginals depend on; they would be recomputed). Both steps are then taken at the same
+    :math:`(\theta_t, q_t)`, as GPyTorch's NGD and Adam are from one forward pass: the E-step is the natural-gradient
+    step of the ELBO at :math:`\theta_t`, and the M-step ascends the tighter bound of the sites :math:`q_t`, a lower
+    bound of the marginal likelihood for any sites (`Adam et al. (2021)`_, App. B).
+
     Models with several independent latents (``batch_shape``, also wrapped in an
     :class:`~gpytorch.variational.IndependentMultitaskVariationalStrategy`, as for a softmax likelihood with one latent
     per class) are updated per latent, mean-field across latents.
@@ -123,12 +136,7 @@ class DualEStep(torch.optim.Optimizer):
         if self._last_factors is None:
             return None
         state, factors = self._last_factors
-        return factors if _same_state(state, self._model_state()) else None
-
-    def _model_state(self) -> dict[str, Tensor]:
-        state = dict(self.strategy.model.state_dict(keep_vars=True))
-        state["jitter"] = torch.tensor(self.strategy.jitter_val)
-        return state
+        return factors if self.strategy.matches_snapshot(state) else None
 
     def _targets(
         self, x: Tensor, y: Tensor, factors: DualPosteriorFactors | None
@@ -206,8 +214,7 @@ class DualEStep(torch.optim.Optimizer):
         site_precision.copy_(new_precision)
         self.strategy._clear_cache()
         if not distribution.per_datum:
-            state = {name: value.detach().clone() for name, value in self._model_state().items()}
-            self._last_factors = (state, new_factors)
+            self._last_factors = (self.strategy.state_snapshot(), new_factors)
 
     def _target_shape(self, batch_size: int) -> tuple[torch.Size, torch.Size]:
         """The shape of a batch's targets and the batch shape of the latents they may have in front: ``(B,)`` per
@@ -301,13 +308,6 @@ class DualEStep(torch.optim.Optimizer):
         whitened_cross, second_target = own_columns
         projections = solve_lower_transpose(prior_chol, whitened_cross)
         return mean_increment, _weighted_gram(projections, second_target), new_factors
-
-
-def _same_state(first: dict[str, Tensor], second: dict[str, Tensor]) -> bool:
-    return first.keys() == second.keys() and all(
-        value.dtype == second[name].dtype and value.device == second[name].device and torch.equal(value, second[name])
-        for name, value in first.items()
-    )
 
 
 def _weighted_gram(columns: Tensor, weights: Tensor) -> Tensor:

@@ -80,7 +80,12 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
 
     The factors of :math:`q` (:meth:`posterior_factors`) are kept in the attribute ``_posterior_factors`` from their
     first use in a training step to the step's KL, and in eval mode across predictions; like GPyTorch's caches they are
-    dropped on every training call, ``train()``/``eval()``, ``load_state_dict`` and ``.to()``.
+    dropped on every training call, ``train()``/``eval()``, ``load_state_dict`` and ``.to()``. A training forward pass
+    also keeps, detached, the marginals it computed at its mini-batch (``_batch_statistics``, with a
+    :meth:`state_snapshot` of the model), so that an E-step at the same mini-batch before anything in the model changes
+    (after the M-step's ``backward()``, before its optimizer step: the default schedule of
+    :class:`~gpytorch_decoupled.optim.DualEStep`) takes them from there instead of evaluating the kernel and
+    factorizing again.
 
     :param model: Model this strategy is applied to (typically the :class:`~gpytorch.models.ApproximateGP` itself).
     :param inducing_points: Inducing inputs :math:`\mathbf Z`, ``(..., M, D)``.
@@ -123,8 +128,9 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
         https://arxiv.org/abs/2111.03412
     """
 
-    _step_attributes = ("_posterior_factors",)
+    _step_attributes = ("_posterior_factors", "_batch_statistics")
     _posterior_factors: DualPosteriorFactors | None = None
+    _batch_statistics: tuple[Tensor, dict[str, Tensor], DualSiteStatistics] | None = None
 
     def __init__(
         self,
@@ -304,9 +310,15 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
     def _predictive_distribution(self, x: Tensor, inducing_points: Tensor, diag: bool, **kwargs) -> MultivariateNormal:
         r""":math:`q(f(\mathbf x))` of eq. 49, from the whitened factors of :math:`q` (:meth:`_marginals`)."""
         factors, prior_mean, data_covariance, whitened_cross, reduced_cross = self._marginals(x, **kwargs)
-        mean = prior_mean + (whitened_cross * factors.whitened_mean.unsqueeze(-1)).sum(-2)
+        centred_mean = (whitened_cross * factors.whitened_mean.unsqueeze(-1)).sum(-2)
+        mean = prior_mean + centred_mean
         if diag and self.training:
             variance = _marginal_variances(data_covariance, whitened_cross, reduced_cross)
+            if not kwargs:  # what an E-step at this mini-batch needs (see site_statistics)
+                detached = (t.detach() for t in (prior_mean, centred_mean, variance, whitened_cross))
+                factors = DualPosteriorFactors(*(t.detach() for t in factors))
+                statistics = self._site_statistics(*detached, factors)
+                self._batch_statistics = (x.detach(), self.state_snapshot(), statistics)
             return MultivariateNormal(mean, DiagLinearOperator(variance))
         covariance = (
             data_covariance
@@ -314,6 +326,26 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
             + MatmulLinearOperator(reduced_cross.mT, reduced_cross)
         )
         return MultivariateNormal(mean, covariance)
+
+    def state_snapshot(self) -> dict[str, Tensor]:
+        r"""A copy of everything :math:`q` and its marginals depend on: the model's ``state_dict`` (hyperparameters,
+        inducing inputs, sites) and the jitter. :meth:`matches_snapshot` compares it exactly with the current state,
+        so that values computed at it can be reused safely whatever changed in between (an optimizer step, a
+        ``load_state_dict``, a manual assignment)."""
+        state = {name: value.detach().clone() for name, value in self.model.state_dict(keep_vars=True).items()}
+        state["jitter"] = torch.tensor(self.jitter_val)
+        return state
+
+    def matches_snapshot(self, snapshot: dict[str, Tensor]) -> bool:
+        """Whether the model's state is exactly (bit for bit, same dtypes and devices) that of ``snapshot``."""
+        current = dict(self.model.state_dict(keep_vars=True))
+        current["jitter"] = torch.tensor(self.jitter_val)
+        return current.keys() == snapshot.keys() and all(
+            value.dtype == current[name].dtype
+            and value.device == current[name].device
+            and torch.equal(value, current[name])
+            for name, value in snapshot.items()
+        )
 
     @torch.no_grad()
     def site_statistics(self, x: Tensor, factors: DualPosteriorFactors | None = None) -> DualSiteStatistics:
@@ -324,16 +356,34 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
         without an autograd graph: what the E-step (:class:`~gpytorch_decoupled.optim.DualEStep`) needs.
         :math:`O(BM^2 + M^3)`.
 
+        Those of the last training forward pass are returned as they are if it was at the same inputs and nothing in
+        the model has changed since (:meth:`state_snapshot`).
+
         :param x: Mini-batch inputs, ``(B, D)``.
         :param factors: The factors of :math:`q` at the current hyperparameters and sites when the caller knows them
             (consecutive E-steps at fixed hyperparameters); recomputed otherwise.
         """
         x = self.checked_inputs(x)
+        stored = self._batch_statistics
+        if factors is None and stored is not None:
+            inputs, snapshot, statistics = stored
+            if inputs.shape == x.shape and torch.equal(inputs, x) and self.matches_snapshot(snapshot):
+                return statistics
         # Hyperparameters may have moved since the cached factors were computed (an M-step in between).
         self._clear_cache()
         factors, prior_mean, data_covariance, whitened_cross, reduced_cross = self._marginals(x, factors)
         centred_mean = (whitened_cross * factors.whitened_mean.unsqueeze(-1)).sum(-2)
         variance = _marginal_variances(data_covariance, whitened_cross, reduced_cross)
+        return self._site_statistics(prior_mean, centred_mean, variance, whitened_cross, factors)
+
+    def _site_statistics(
+        self,
+        prior_mean: Tensor,
+        centred_mean: Tensor,
+        variance: Tensor,
+        whitened_cross: Tensor,
+        factors: DualPosteriorFactors,
+    ) -> DualSiteStatistics:
         batch_shape = torch.broadcast_shapes(centred_mean.shape[:-1], self._variational_distribution.batch_shape)
         return DualSiteStatistics(
             prior_mean.expand(*batch_shape, -1),

@@ -195,3 +195,31 @@ class TestJitteredCholesky(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def _spd(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    root = torch.randn(3, n, n, generator=generator, dtype=torch.float64)
+    return (root @ root.mT + n * torch.eye(n, dtype=torch.float64)).to(dtype)
+
+
+def test_derivatives_are_those_of_torch_cholesky() -> None:
+    # float64: the gradient and the forward-mode tangent (vectorized, as SRGP takes them) equal torch.linalg.cholesky's
+    # to rounding; float32: the backward runs in float32 from the float32 factor, within float32 accuracy of float64.
+    A = _spd(7, torch.float64)
+    weights = torch.randn(3, 7, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ours, theirs = A.clone().requires_grad_(True), A.clone().requires_grad_(True)
+    (jittered_cholesky(ours) * weights).sum().backward()
+    (torch.linalg.cholesky(theirs) * weights).sum().backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-12)
+    tangents = torch.stack([weights + weights.mT, weights.mT @ weights])  # two directions, each of the batch of 3
+    ours_tangent = torch.func.vmap(lambda t: torch.func.jvp(jittered_cholesky, (A,), (t,))[1])(tangents)
+    theirs_tangent = torch.func.vmap(lambda t: torch.func.jvp(torch.linalg.cholesky, (A,), (t,))[1])(tangents)
+    torch.testing.assert_close(ours_tangent, theirs_tangent, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a: jittered_cholesky(0.5 * (a + a.mT)), (A[0].clone().requires_grad_(True),))
+
+    single = A.float().requires_grad_(True)
+    (jittered_cholesky(single) * weights.float()).sum().backward()
+    assert single.grad.dtype == torch.float32
+    relative = (single.grad.double() - theirs.grad).abs().max() / theirs.grad.abs().max()
+    assert relative < 1e-5

@@ -379,3 +379,45 @@ def test_consecutive_e_steps_reuse_the_factors_exactly_and_any_model_change_inva
         reused, fresh = run(True, change_between), run(False, change_between)
         for first, second in zip(site_values(reused), site_values(fresh)):
             assert_close(first, second, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("likelihood_name", ["gaussian", "bernoulli"])
+def test_e_step_after_the_m_step_backward_reuses_its_marginals_exactly(likelihood_name: str) -> None:
+    # The default mini-batch schedule: the M-step's forward and backward, then the E-step at the same batch, then the
+    # M-step's optimizer step. The E-step takes the forward pass's detached marginals (no kernel evaluation, no
+    # factorization) and moves the sites exactly as an E-step that recomputes them; a change of the model between the
+    # forward pass and the E-step (here an assignment through .data, which autograd's version counters miss) makes it
+    # recompute.
+    Z, X, y = problem()
+    likelihood, targets = likelihood_and_targets(likelihood_name, y)
+
+    def one_pass(change: bool) -> tuple[tuple[torch.Tensor, ...], int]:
+        model = DualGP(Z.clone())
+        set_sites(model, *random_sites(model, seed=3))
+        e_step = DualEStep(model, likelihood, num_data=N, lr=0.3)
+        objective = DualVariationalELBO(likelihood, model, num_data=N)
+        batch = torch.arange(20)
+        loss = -objective(model(X[batch]), targets[batch])
+        loss.backward()
+        if change:
+            model.covar_module.base_kernel.raw_lengthscale.data.add_(0.1)
+        evaluations = unittest.mock.patch.object(
+            DualVariationalStrategy, "_marginals", autospec=True, side_effect=DualVariationalStrategy._marginals
+        )
+        with evaluations as marginals:
+            e_step.step(X[batch], targets[batch])
+        return site_values(model), marginals.call_count
+
+    def fresh(change: bool) -> tuple[torch.Tensor, ...]:
+        model = DualGP(Z.clone())
+        set_sites(model, *random_sites(model, seed=3))
+        if change:
+            model.covar_module.base_kernel.raw_lengthscale.data.add_(0.1)
+        DualEStep(model, likelihood, num_data=N, lr=0.3).step(X[:20], targets[:20])
+        return site_values(model)
+
+    for change in (False, True):
+        sites, calls = one_pass(change)
+        assert calls == (1 if change else 0)
+        for actual, expected in zip(sites, fresh(change), strict=True):
+            assert torch.equal(actual, expected)
