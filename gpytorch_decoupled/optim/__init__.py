@@ -7,11 +7,12 @@ Every update object follows one contract (the documentation's page on update ste
   inside an independent multitask wrapper is found), then what its mathematics needs (the likelihood, the torch
   optimizer it drives, ``num_data``) and keyword settings (``lr`` ...). A model with another strategy is refused with a
   ``TypeError`` naming the strategy it needs. Steps with per-parameter learning rates are :class:`torch.optim.Optimizer`
-  subclasses (:class:`DualEStep`, :class:`OrthogonalMeanNaturalGradient`), so learning-rate schedulers work.
+  subclasses (:class:`DualEStep`, :class:`OrthogonalMeanNaturalGradient`, :class:`MeanBasisAdam`), so learning-rate
+  schedulers work.
 * **Step.** ``step(closure=None)``, as :class:`torch.optim.Optimizer`, when the update is driven by the gradients
-  already in ``.grad`` (:class:`OrthogonalMeanNaturalGradient`); ``step(x, y, ...)`` when it needs a mini-batch
-  (:class:`DualEStep`, :class:`RecursiveGradientPropagation`, :class:`OnlineBasisGrowth`). Input is validated before
-  anything changes: a failed step leaves the model as it was.
+  already in ``.grad`` (:class:`OrthogonalMeanNaturalGradient`, :class:`MeanBasisAdam`); ``step(x, y, ...)`` when it
+  needs a mini-batch (:class:`DualEStep`, :class:`RecursiveGradientPropagation`, :class:`OnlineBasisGrowth`). Input is
+  validated before anything changes: a failed step leaves the model as it was.
 * **Return.** What the step computed of its objective, as a detached 0-dim tensor (the closure's loss; the bound term
   of :class:`RecursiveGradientPropagation`), or None where it computes none (:class:`DualEStep`).
   :class:`OnlineBasisGrowth`, which changes the model's structure rather than its values, returns what it added.
@@ -24,6 +25,7 @@ Objectives (:class:`~gpytorch_decoupled.mlls.StreamingCollapsedBound`,
 import warnings
 
 from .dual_e_step import DualEStep
+from .mean_basis_adam import MeanBasisAdam
 from .online_basis_growth import BasisGrowth, OnlineBasisGrowth
 from .orthogonal_mean_natural_gradient import OrthogonalMeanNaturalGradient
 from .recursive_gradient_propagation import RecursiveGradientPropagation
@@ -31,6 +33,7 @@ from .recursive_gradient_propagation import RecursiveGradientPropagation
 __all__ = [
     "BasisGrowth",
     "DualEStep",
+    "MeanBasisAdam",
     "OnlineBasisGrowth",
     "OrthogonalMeanNaturalGradient",
     "RecursiveGradientPropagation",

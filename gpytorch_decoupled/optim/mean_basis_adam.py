@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..variational import MeanBasis
+
+
+class MeanBasisAdam(torch.optim.Adam):
+    r"""
+    Adam on the mean coefficients :math:`\mathbf a` of the decoupled strategies (orthogonally decoupled, hybrid,
+    decoupled), with its step measured in function space, so that one learning rate works whatever the mean basis's
+    size, the kernel's length-scales and output scale (:ref:`derivations-scale-free-mean-steps`).
+
+    Adam moves every coordinate by about ``lr`` whatever its gradient's scale. The gradient of a coefficient is a
+    kernel-smoothed residual, alike for neighbouring basis points, so the mean function
+    :math:`m(\mathbf x) = \sum_i a_i k(\mathbf x, \gamma_i)` moves by about ``lr`` times
+    :math:`\sum_i k(\mathbf x, \gamma_i)`: the step grows with the number of basis points within a length-scale,
+    i.e. linearly in :math:`M_\gamma`. This optimizer divides the coefficients' step by
+
+    .. math::
+
+        s = \sigma\,\bar d, \qquad
+        \bar d = 1 + (M - 1)\,\frac{\mathbb E_{i \neq j}\, k(\gamma_i, \gamma_j)}{\sigma^2},
+        \qquad \sigma^2 = \mathbb E_i\, k(\gamma_i, \gamma_i),
+
+    the mean degree of the basis's kernel graph (at least 1: the safe floor of a basis whose points do not overlap)
+    times the prior standard deviation, so that ``lr`` is the step of the mean function in units of its prior standard
+    deviation. :math:`\mathbb E_{i\neq j}` is estimated each step from the kernel block between two disjoint random
+    subsets of ``num_samples`` basis points (:math:`O(\text{num\_samples}^2)` kernel entries) and smoothed over
+    steps with an exponential moving average.
+
+    The other parameters (hyperparameters, the covariance block) take their own optimizer: exclude the mean
+    coefficients from it.
+
+    :param model: The model whose decoupled strategies (its own, or the base of a multitask wrapper) have their mean
+        coefficients stepped.
+    :param lr: Adam's rate in function space: the step of the mean function per iteration is about ``lr`` times its
+        prior standard deviation at most (less once the gradients turn noisy).
+    :param betas: Adam's moment decays.
+    :param eps: Adam's :math:`\epsilon`.
+    :param num_samples: Basis points per subset of the degree estimate.
+    :param smoothing: Weight of the previous degree estimate in the moving average.
+    :param generator: Random generator for the subsets (default: PyTorch's global one).
+
+    The optimizer holds the coefficient parameters it was built with: after
+    :class:`~gpytorch_decoupled.optim.OnlineBasisGrowth` replaces them, build a new one.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpytorch_decoupled.optim import MeanBasisAdam
+        >>> from gpytorch_decoupled.variational import OrthogonallyDecoupledVariationalStrategy
+        >>> class ODVGP(gpytorch.models.ApproximateGP):
+        ...     def __init__(self):
+        ...         q = gpytorch.variational.NaturalVariationalDistribution(8)
+        ...         beta, gamma = torch.linspace(-2, 2, 8).unsqueeze(-1), torch.linspace(-2, 2, 400).unsqueeze(-1)
+        ...         super().__init__(OrthogonallyDecoupledVariationalStrategy(self, beta, q, gamma))
+        ...         self.mean_module = gpytorch.means.ZeroMean()
+        ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        ...     def forward(self, x):
+        ...         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+        >>> model, likelihood = ODVGP(), gpytorch.likelihoods.GaussianLikelihood()
+        >>> x = torch.linspace(-2, 2, 100).unsqueeze(-1)
+        >>> mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=100)
+        >>> a_gamma = model.variational_strategy.mean_coefficients
+        >>> ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=100, lr=0.1)
+        >>> mean_step = MeanBasisAdam(model)  # one rate for any basis size
+        >>> others = [p for p in [*model.hyperparameters(), *likelihood.parameters()] if p is not a_gamma]
+        >>> adam = torch.optim.Adam(others, lr=0.01)
+        >>> for _ in range(3):
+        ...     for optimizer in (ngd, mean_step, adam):
+        ...         optimizer.zero_grad()
+        ...     (-mll(model(x), torch.sin(3 * x[:, 0]))).backward()
+        ...     for optimizer in (ngd, mean_step, adam):
+        ...         optimizer.step()
+        >>> bool(mean_step.function_scale(model.variational_strategy) > 1)  # 400 overlapping basis functions
+        True
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        lr: float = 0.5,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        num_samples: int = 64,
+        smoothing: float = 0.9,
+        generator: torch.Generator | None = None,
+    ):
+        strategies = [m for m in model.modules() if isinstance(getattr(m, "mean_basis", None), MeanBasis)]
+        if not strategies:
+            raise TypeError(
+                "MeanBasisAdam needs a model with a decoupled strategy (OrthogonallyDecoupledVariationalStrategy, "
+                f"HybridVariationalStrategy or DecoupledVariationalStrategy), got {type(model).__name__}."
+            )
+        if not lr > 0:
+            raise ValueError(f"lr must be positive, got {lr}.")
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be a positive integer, got {num_samples}.")
+        if not 0 <= smoothing < 1:
+            raise ValueError(f"smoothing must lie in [0, 1), got {smoothing}.")
+        groups = [{"params": [strategy.mean_basis.coefficients]} for strategy in strategies]
+        super().__init__(groups, lr=lr, betas=betas, eps=eps)
+        self.strategies = strategies
+        self.num_samples = num_samples
+        self.smoothing = smoothing
+        self.generator = generator
+
+    @torch.no_grad()
+    def function_scale(self, strategy) -> Tensor:
+        r"""This step's estimate of :math:`s = \sigma\bar d` for one strategy's mean basis (not smoothed)."""
+        basis = strategy.mean_basis
+        points = basis.inducing_points
+        num_points = points.size(-2)
+        order = torch.randperm(num_points, generator=self.generator, device=points.device)
+        size = min(self.num_samples, num_points // 2)
+        first = points.index_select(-2, order[:size])
+        variance = basis.cross_covariance(first, first).diagonal(dim1=-2, dim2=-1).mean()
+        if size == 0:  # a basis of one point has no pairs: its degree is 1
+            return variance.sqrt()
+        second = points.index_select(-2, order[size : 2 * size])
+        covariance = basis.cross_covariance(first, second).to_dense().mean()
+        return variance.sqrt() * (1 + (num_points - 1) * covariance.clamp_min(0) / variance)
+
+    @torch.no_grad()
+    def step(self, closure=None) -> Tensor | None:
+        """One Adam step on every strategy's mean coefficients, its rate divided by the basis's function scale.
+
+        :param closure: Re-evaluates the model and returns the loss (optional, as for :class:`torch.optim.Optimizer`).
+        :return: The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scales = []
+        for group, strategy in zip(self.param_groups, self.strategies, strict=True):
+            scale = self.function_scale(strategy)
+            previous = self.state[group["params"][0]].get("function_scale")
+            scales.append(scale if previous is None else torch.lerp(scale, previous, self.smoothing))
+            if not torch.isfinite(scales[-1]) or not scales[-1] > 0:
+                raise RuntimeError(f"the mean basis's function scale is {float(scales[-1])}; nothing was changed.")
+        rates = [group["lr"] for group in self.param_groups]
+        try:
+            for group, scale in zip(self.param_groups, scales, strict=True):
+                group["lr"] = group["lr"] / float(scale)
+            super().step()
+        finally:
+            for group, rate in zip(self.param_groups, rates, strict=True):
+                group["lr"] = rate
+        # Kept beside Adam's moments (after them: Adam creates its state on the first step).
+        for group, scale in zip(self.param_groups, scales, strict=True):
+            self.state[group["params"][0]]["function_scale"] = scale
+        return loss
