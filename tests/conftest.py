@@ -1,5 +1,23 @@
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+# One fixed profile for every property-based test: the same examples on every run and machine (derandomized, no
+# example database), no per-example deadline (the machines that run the suite are shared), and a bound on the
+# examples of tests that do not set their own. GPYTORCH_DECOUPLED_HYPOTHESIS_PROFILE=dev draws new examples.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=50,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", deadline=None, max_examples=200)
+settings.load_profile(os.environ.get("GPYTORCH_DECOUPLED_HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):
