@@ -13,7 +13,7 @@ PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 NO_DATA_DIR := $(abspath $(VENV))/no-data
 STAMP := $(VENV)/.installed-$(subst =,_,$(subst /,_,$(TORCH_SPEC)))
 
-.PHONY: install demo test suite smoke-notebooks suite-without-data lint format bench notebooks docs clean
+.PHONY: install demo test suite suite-inductor smoke-notebooks suite-without-data lint format bench notebooks docs clean
 
 install: $(STAMP)
 
@@ -32,10 +32,14 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint suite smoke-notebooks
+test: lint suite suite-inductor smoke-notebooks
 
 suite: install
-	$(PYTEST) --doctest-modules gpytorch_decoupled benchmarks tests
+	$(PYTEST) --doctest-modules -m "not inductor" gpytorch_decoupled benchmarks tests
+
+# Compiled training steps with Inductor, the production backend: minutes of compilation on 2 CPU cores, its own step.
+suite-inductor: install
+	$(PYTEST) -m inductor tests
 
 # Notebooks run top to bottom in their fast smoke mode (the CI environment variable).
 smoke-notebooks: install

@@ -8,6 +8,7 @@ It lives beside its results, outside the package: the library never imports it, 
 
 from .baselines_benchmark import BASELINES
 from .benchmark import Benchmark
+from .compiled_step_benchmark import COMPILED_STEP
 from .decoupled_accuracy_benchmark import DECOUPLED_ACCURACY
 from .decoupled_speed_benchmark import DECOUPLED_SPEED
 from .decoupled_step_benchmark import DECOUPLED_STEP
@@ -39,6 +40,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         SRGP_STEP,
         KERNEL_SELECTION,
         DISTRIBUTED,
+        COMPILED_STEP,
     )
 }
 

@@ -4,7 +4,7 @@ Decoupled, orthogonally decoupled, dual-parameterized (t-SVGP) and Kalman-recurs
 variational Bayesian kernel selection, as drop-in parts of :class:`gpytorch.models.ApproximateGP`.
 """
 
-from . import datasets, distributed, kernels, linalg, mlls, models, optim, validation, variational
+from . import datasets, distributed, kernels, linalg, mlls, models, optim, training, validation, variational
 from .version import __version__
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "mlls",
     "models",
     "optim",
+    "training",
     "validation",
     "variational",
     "__version__",

@@ -23,6 +23,9 @@ Functions wrapping private methods:
 
 * :func:`whitened_cholesky_factor` calls ``VariationalStrategy._cholesky_factor`` (GPyTorch 1.9 to 1.15): the
   float64 Cholesky factor of :math:`\mathbf K_{\mathbf{uu}}` memoized under ``"cholesky_factor"``.
+* :func:`initialize_variational_distribution` does what ``_VariationalStrategy.__call__`` does on a strategy's first
+  call (GPyTorch 1.0 to 1.15): initialize ``_variational_distribution`` from ``prior_distribution`` once, marked by the
+  ``variational_params_initialized`` buffer.
 * :func:`compute_predictive_updates` calls ``VariationalStrategy._compute_predictive_updates`` (GPyTorch 1.15, which
   added it with the fused training-mode variance; it reads nothing of the strategy but ``training``).
 
@@ -58,6 +61,7 @@ __all__ = [
     "cache_safe",
     "clear_caches",
     "compute_predictive_updates",
+    "initialize_variational_distribution",
     "whitened_cholesky_factor",
 ]
 
@@ -98,6 +102,15 @@ def compute_predictive_updates(
         prior_covar=prior_covar,
         diag=diag,
     )
+
+
+def initialize_variational_distribution(strategy: VariationalStrategyBase) -> None:
+    r"""Initializes :math:`q(\mathbf u)` from the strategy's prior as GPyTorch does on the strategy's first call, unless
+    that has happened (for code that computes a strategy's terms without calling it)."""
+    if not strategy.variational_params_initialized.item():
+        with torch.no_grad():
+            strategy._variational_distribution.initialize_variational_distribution(strategy.prior_distribution)
+        strategy.variational_params_initialized.fill_(1)
 
 
 def clear_caches(module: Module) -> None:

@@ -61,6 +61,12 @@ def jittered_cholesky(
     When jitter had to be escalated, a :class:`~gpytorch.utils.warnings.NumericalWarning` is emitted once per process
     for each :attr:`name` (see :func:`reset_jitter_warnings`).
 
+    Under :func:`torch.compile` the same jitter ladder runs without data-dependent Python control flow (so without a
+    graph break): :func:`torch.cond` runs the escalation only when the first factorization fails, so the factor equals
+    the eager one. A compiled call neither checks for NaN nor warns nor raises: a matrix that is still not positive
+    definite at the last jitter gives a NaN factor, which the caller detects (the compiled training step of
+    :func:`gpytorch_decoupled.training.compile_training_step` checks that its loss is finite).
+
     Gradients flow back to :attr:`A` as through :func:`torch.linalg.cholesky` (the gradient is that of a symmetric
     input), computed in the dtype of :attr:`A` from the returned factor: only the factorization needs float64, and
     for float32 inputs its backward pass (two triangular solves and a product with :math:`n \times n` right-hand
@@ -87,11 +93,13 @@ def jittered_cholesky(
         raise ValueError(f"{name} must be a (batch of) square matrices, got shape {tuple(A.shape)}.")
     if not A.dtype.is_floating_point:
         raise ValueError(f"{name} must have a floating dtype, got {A.dtype}.")
-    if not torch.isfinite(A).all():
+    compiling = torch.compiler.is_compiling()
+    if not compiling and not torch.isfinite(A).all():
         raise ValueError(f"{name} (shape {tuple(A.shape)}, dtype {A.dtype}) contains NaN or inf.")
 
     with torch.no_grad():
-        L = _factor(A.detach(), jitter, max_tries, name)
+        factor = _traceable_factor if compiling else _factor
+        L = factor(A.detach(), jitter, max_tries, name)
     return _CholeskyFactor.apply(A, L)
 
 
@@ -175,6 +183,32 @@ def _factor(A: Tensor, jitter: float | None, max_tries: int, name: str) -> Tenso
             stacklevel=3,
         )
     return L.to(A.dtype)
+
+
+def _traceable_factor(A: Tensor, jitter: float | None, max_tries: int, name: str) -> Tensor:
+    """:func:`_factor` without data-dependent Python control flow (for :func:`torch.compile`): the escalation runs
+    in a :func:`torch.cond` branch, to the end of the schedule (members that succeed keep their jitter), and a member
+    that never factorizes gets a NaN factor instead of an error."""
+    A64 = A.to(torch.float64)
+    member_jitter = torch.full(A.shape[:-2], jitter or 0.0, dtype=A64.dtype, device=A64.device)
+    L, info = torch.linalg.cholesky_ex(_add_to_diagonal(A64, member_jitter) if jitter else A64)
+
+    def escalate(matrix: Tensor, first: Tensor, info: Tensor, member_jitter: Tensor) -> Tensor:
+        if jitter:
+            first_step = 10.0 * member_jitter
+        else:
+            scale = matrix.diagonal(dim1=-2, dim2=-1).abs().mean(-1)
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            first_step = _RELATIVE_JITTER.get(A.dtype, _RELATIVE_JITTER_DEFAULT) * scale
+        for k in range(max_tries):
+            member_jitter = torch.where(info > 0, first_step * 10.0**k, member_jitter)
+            factor, info = torch.linalg.cholesky_ex(_add_to_diagonal(matrix, member_jitter))
+        return torch.where((info > 0)[..., None, None], float("nan"), factor).contiguous()
+
+    def keep(matrix: Tensor, first: Tensor, info: Tensor, member_jitter: Tensor) -> Tensor:
+        return first.contiguous()
+
+    return torch.cond(info.any(), escalate, keep, (A64, L, info, member_jitter)).to(A.dtype)
 
 
 def _add_to_diagonal(A: Tensor, values: Tensor) -> Tensor:

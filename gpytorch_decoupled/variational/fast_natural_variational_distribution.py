@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from gpytorch.variational import NaturalVariationalDistribution
+from torch import Tensor
 
 from ._natural_multivariate_normal import _NaturalMultivariateNormal
 from ._natural_to_mean_covariance import _NaturalToMeanCovariance
@@ -60,5 +61,13 @@ class FastNaturalVariationalDistribution(NaturalVariationalDistribution):
     """
 
     def forward(self) -> _NaturalMultivariateNormal:
-        mean, covariance, logdet = _NaturalToMeanCovariance.apply(self.natural_vec, self.natural_mat)
+        mean, covariance, logdet = self.moments()
         return _NaturalMultivariateNormal(mean, covariance, covariance_logdet=logdet)
+
+    def moments(self) -> tuple[Tensor, Tensor, Tensor]:
+        r"""
+        :math:`\boldsymbol\mu`, the dense :math:`\mathbf S` and :math:`\log\lvert\mathbf S\rvert` as plain tensors
+        (what :meth:`forward` wraps in a distribution), with the natural-gradient backward pass described above; the
+        lean training path (:func:`~gpytorch_decoupled.training.compile_training_step`) uses them directly.
+        """
+        return _NaturalToMeanCovariance.apply(self.natural_vec, self.natural_mat)

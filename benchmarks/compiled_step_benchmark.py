@@ -1,0 +1,194 @@
+"""``bench compiled-step``: compiled training steps (issue 21) against their eager forms, GPyTorch's SVGP and the
+compiled SVGP steps of GPflow (``tf.function``) and GPJax (``jax.jit``).
+
+Every configuration runs in its own process (``benchmarks/compiled_step_worker.py``; GPflow's and GPJax's in the
+interpreters of their own environments, ``benchmarks/peers/``), on the same float32 data, inducing inputs and batch
+order (kin40k split 0, M = 200, Mγ = 1000, batch 256, one thread), in alternating order for ``--rounds`` rounds: the
+first step is timed (the compilation, for compiled steps), then ``--warmup`` steps, then steps for ``--seconds``; the
+median step time of each round is kept. Inductor's on-disk cache is emptied before the run, so the first round's
+compile time is a cold compilation and later rounds' are cache hits. The crossover is the number of steps after
+which a compiled step has paid for its compilation: ``(first compiled step − first eager step) ÷ (eager − compiled
+step time)``. GPflow or GPJax is skipped, with a message, when its interpreter is missing or fails.
+
+Goals (issue 21), as ratios (lower is better): ``orthnat_compiled_vs_gpflow_natgrad_adam`` ≤ 1, ``tsvgp_compiled_vs_
+gpflow_natgrad_adam`` ≤ 1, ``svgp_natural_compiled_vs_gpflow_adam`` ≤ 1 (each our median ÷ the GPflow median of the
+same run, rounds pooled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpytorch_decoupled import datasets
+
+from .benchmark import Benchmark
+from .compiled_step_worker import TORCH_CONFIGS
+from .methods.inducing_points import initial_inducing_points
+from .report import benchmark_payload, format_ratios, write_results
+
+ROOT = Path(__file__).resolve().parent
+PEERS = {
+    "gpflow-svgp-adam": ("gpflow", ROOT / "peers" / "gpflow_svgp.py"),
+    "gpflow-svgp-natgrad-adam": ("gpflow", ROOT / "peers" / "gpflow_svgp.py"),
+    "gpjax-svgp-adam": ("gpjax", ROOT / "peers" / "gpjax_svgp.py"),
+}
+GOALS = {
+    "orthnat_compiled_vs_gpflow_natgrad_adam": 1.0,
+    "tsvgp_compiled_vs_gpflow_natgrad_adam": 1.0,
+    "svgp_natural_compiled_vs_gpflow_adam": 1.0,
+}
+#: the compiled configuration of each goal, and its eager counterpart (for the crossover)
+PAIRS = {
+    "ours-svgp-natural-compiled": "ours-svgp-natural-eager",
+    "ours-orthnat-compiled": "ours-orthnat-eager",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", default="kin40k")
+    parser.add_argument("--num-inducing", type=int, default=200)
+    parser.add_argument("--num-mean-inducing", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--num-batches", type=int, default=64, help="distinct batches, cycled in order")
+    parser.add_argument("--seconds", type=float, default=20.0, help="timed stepping per configuration and round")
+    parser.add_argument("--warmup", type=int, default=20, help="steps after the first, before timing")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--configs", nargs="*", default=None, help="subset of configurations (default: all)")
+    parser.add_argument("--gpflow-python", default=str(ROOT.parent / ".venv-gpflow" / "bin" / "python"))
+    parser.add_argument("--gpjax-python", default=str(ROOT.parent / ".venv-gpjax" / "bin" / "python"))
+    parser.add_argument("--output", default=str(ROOT / "results" / "compiled-step.json"))
+
+
+def _data_file(args, directory: str) -> str:
+    split = datasets.load(args.dataset, split=0)
+    x, y = split.train_x.float(), split.train_y.float()
+    generator = torch.Generator().manual_seed(0)
+    batches = torch.stack(
+        [torch.randperm(x.size(0), generator=generator)[: args.batch_size] for _ in range(args.num_batches)]
+    )
+    path = os.path.join(directory, "data.npz")
+    np.savez(
+        path,
+        train_x=x.numpy(),
+        train_y=y.numpy(),
+        inducing=initial_inducing_points(x, args.num_inducing, 0).numpy(),
+        mean_inducing=initial_inducing_points(x, args.num_mean_inducing, 1).numpy(),
+        batches=batches.numpy(),
+    )
+    return path
+
+
+def _command(config: str, data: str, args) -> list[str] | str:
+    """The command of one configuration, or a message saying why it is skipped."""
+    steps = [data, str(args.seconds), str(args.warmup)]
+    if config in TORCH_CONFIGS:
+        return [sys.executable, "-m", "benchmarks.compiled_step_worker", config, *steps]
+    framework, script = PEERS[config]
+    python = getattr(args, f"{framework}_python")
+    if not Path(python).exists():
+        return f"{framework} skipped: no interpreter at {python} (install it in its own environment, see README)"
+    return [python, str(script), config, *steps]
+
+
+def run(args: argparse.Namespace) -> dict:
+    configs = args.configs or [*TORCH_CONFIGS, *PEERS]
+    rounds: dict[str, list[dict]] = {config: [] for config in configs}
+    skipped: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as directory:
+        data = _data_file(args, directory)
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        environment["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(directory, "inductor-cache")
+        environment["PYTHONPATH"] = os.pathsep.join([str(ROOT.parent), environment.get("PYTHONPATH", "")])
+        for index in range(args.rounds):
+            order = configs if index % 2 == 0 else configs[::-1]
+            for config in order:
+                if config in skipped:
+                    continue
+                command = _command(config, data, args)
+                if isinstance(command, str):
+                    skipped[config] = command
+                    print(command)
+                    continue
+                done = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=ROOT.parent)
+                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+                if done.returncode != 0 or not lines:
+                    skipped[config] = f"{config} failed: {done.stderr.strip().splitlines()[-1:]}"
+                    print(skipped[config])
+                    continue
+                result = json.loads(lines[-1])
+                rounds[config].append(result)
+                print(
+                    f"round {index + 1} {config:28s} first step {result['first_step_s']:8.2f} s, "
+                    f"median step {result['step_ms']:7.2f} ms ({result['steps']} steps)",
+                    flush=True,
+                )
+    summary = {}
+    for config, results in rounds.items():
+        if not results:
+            continue
+        summary[config] = {
+            "step_ms": statistics.median(result["step_ms"] for result in results),
+            "step_ms_per_round": [result["step_ms"] for result in results],
+            "first_step_s_cold": results[0]["first_step_s"],
+            "first_step_s_per_round": [result["first_step_s"] for result in results],
+        }
+    for compiled, eager in PAIRS.items():
+        if compiled in summary and eager in summary:
+            saved_ms = summary[eager]["step_ms"] - summary[compiled]["step_ms"]
+            extra_s = summary[compiled]["first_step_s_cold"] - summary[eager]["first_step_s_cold"]
+            summary[compiled]["crossover_steps"] = extra_s / (saved_ms / 1e3) if saved_ms > 0 else float("inf")
+
+    def ratio(ours: str, theirs: str) -> float:
+        if ours in summary and theirs in summary:
+            return summary[ours]["step_ms"] / summary[theirs]["step_ms"]
+        return float("nan")
+
+    ratios = {
+        "orthnat_compiled_vs_gpflow_natgrad_adam": ratio("ours-orthnat-compiled", "gpflow-svgp-natgrad-adam"),
+        # No lean path for t-SVGP yet: its "compiled" iteration is the eager one (DualEStep + Adam M-step).
+        "tsvgp_compiled_vs_gpflow_natgrad_adam": ratio("ours-tsvgp-eager", "gpflow-svgp-natgrad-adam"),
+        "svgp_natural_compiled_vs_gpflow_adam": ratio("ours-svgp-natural-compiled", "gpflow-svgp-adam"),
+        "svgp_natural_compiled_vs_gpjax_adam": ratio("ours-svgp-natural-compiled", "gpjax-svgp-adam"),
+        "svgp_natural_compiled_vs_gpytorch_svgp_adam": ratio("ours-svgp-natural-compiled", "gpytorch-svgp-adam"),
+        "svgp_natural_compiled_vs_eager": ratio("ours-svgp-natural-compiled", "ours-svgp-natural-eager"),
+        "orthnat_compiled_vs_eager": ratio("ours-orthnat-compiled", "ours-orthnat-eager"),
+        "gpflow_adam_vs_gpytorch_svgp_adam": ratio("gpflow-svgp-adam", "gpytorch-svgp-adam"),
+    }
+    config = {key: value for key, value in vars(args).items() if key not in ("run",)}
+    payload = benchmark_payload(
+        "compiled-step",
+        {**config, "dtype": "float32", "threads": 1, "torch": torch.__version__},
+        [],
+        ratios,
+        GOALS,
+        configurations=summary,
+        skipped=skipped,
+        notes=(
+            "Each configuration in its own process, rounds in alternating order, median step time per round, "
+            "median over rounds. tsvgp_compiled uses the eager t-SVGP iteration: there is no lean (compiled) path for "
+            "DualEStep yet. The machine was shared with other jobs: ratios within a run are meaningful, absolute "
+            "times are not."
+        ),
+    )
+    print(json.dumps(summary, indent=1))
+    print(format_ratios(payload))
+    write_results(args.output, payload)
+    return payload
+
+
+COMPILED_STEP = Benchmark(
+    "compiled-step",
+    "Compiled training steps vs their eager forms, GPyTorch's SVGP, GPflow's and GPJax's compiled SVGP (own processes)",
+    add_arguments,
+    run,
+)

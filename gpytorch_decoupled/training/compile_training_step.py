@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+from .training_step import TrainingStep
+
+
+def compile_training_step(mll, optimizers, *, lean: bool = True, **compile_options) -> TrainingStep:
+    r"""
+    A compiled training step, ``loss = step(x, y)``: ``-mll(model(x), y)`` on the mini-batch, its gradients and every
+    optimizer's update in one :func:`torch.compile` graph with no graph break (see
+    :class:`~gpytorch_decoupled.training.TrainingStep` for what runs where).
+
+    The first call compiles (tens of seconds on a CPU; each new input shape or dtype compiles again, so keep batches
+    of one size, e.g. ``drop_last=True``); from then on a step costs little more than its arithmetic. Models whose
+    parts the lean path does not support (:attr:`TrainingStep.fallback_reason`) train eagerly, with a warning.
+
+    :param mll: The objective, e.g. :class:`gpytorch.mlls.VariationalELBO` (with its model and likelihood).
+    :param optimizers: One optimizer or a list (:class:`torch.optim.Adam`, :class:`gpytorch.optim.NGD`).
+    :param lean: Use the lean training path where supported.
+    :param compile_options: Passed to :func:`torch.compile` (``mode="reduce-overhead"`` for CUDA graphs on a GPU,
+        ``dynamic`` ...).
+    :return: The step.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpytorch_decoupled.training import compile_training_step
+        >>> from gpytorch_decoupled.variational import FastNaturalVariationalDistribution
+        >>> class SVGP(gpytorch.models.ApproximateGP):
+        ...     def __init__(self, z):
+        ...         super().__init__(gpytorch.variational.VariationalStrategy(
+        ...             self, z, FastNaturalVariationalDistribution(z.size(0))))
+        ...         self.mean_module = gpytorch.means.ZeroMean()
+        ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        ...     def forward(self, x):
+        ...         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+        >>> x = torch.linspace(-3, 3, 64).unsqueeze(-1)
+        >>> y = torch.sin(2 * x.squeeze(-1))
+        >>> model, likelihood = SVGP(x[::8].clone()), gpytorch.likelihoods.GaussianLikelihood()
+        >>> mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=64)
+        >>> ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=64, lr=0.5)
+        >>> adam = torch.optim.Adam([*model.hyperparameters(), *likelihood.parameters()], lr=0.05)
+        >>> step = compile_training_step(mll, [ngd, adam], backend="eager")  # "inductor" (the default) is faster
+        >>> losses = [step(x, y) for _ in range(20)]
+        >>> bool(losses[-1] < losses[0])
+        True
+    """
+    return TrainingStep(mll, optimizers, compile=True, lean=lean, **compile_options)

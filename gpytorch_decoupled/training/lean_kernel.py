@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import math
+
+import torch
+from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
+from torch import Tensor
+
+
+class LeanKernel:
+    r"""
+    The covariance of a GPyTorch kernel of a supported type as plain tensor operations, for the lean training path
+    (:func:`~gpytorch_decoupled.training.compile_training_step`): the same values and gradients as the kernel's
+    :class:`~linear_operator.operators.LinearOperator` output, read from the kernel's own parameters at every call (no
+    copy is kept), without the lazy-tensor layers that block :func:`torch.compile` or cost more than they save at
+    :math:`M \approx 200`.
+
+    Supported: :class:`~gpytorch.kernels.RBFKernel` and :class:`~gpytorch.kernels.MaternKernel`
+    (:math:`\nu \in \{\tfrac12, \tfrac32, \tfrac52\}`), with one or ARD length-scales, optionally inside a
+    :class:`~gpytorch.kernels.ScaleKernel`, without batch shape and active dimensions. Anything else makes
+    :meth:`of` return None (the caller keeps GPyTorch's general path).
+
+    .. math::
+
+        k_\mathrm{RBF}(\mathbf x, \mathbf x') = \sigma^2 \exp(-\tfrac12 r^2), \qquad
+        k_{\nu=5/2}(\mathbf x, \mathbf x') = \sigma^2 (1 + \sqrt5 r + \tfrac53 r^2) \exp(-\sqrt5 r), \qquad
+        r = \lVert \Lambda^{-1}(\mathbf x - \mathbf x') \rVert.
+
+    :param base: The stationary kernel (RBF or Matérn).
+    :param scale: The :class:`~gpytorch.kernels.ScaleKernel` around it, or None.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=2))
+        >>> lean = LeanKernel.of(kernel)
+        >>> x1, x2 = torch.randn(4, 2), torch.randn(3, 2)
+        >>> torch.allclose(lean(x1, x2), kernel(x1, x2).to_dense(), atol=1e-6)
+        True
+        >>> LeanKernel.of(gpytorch.kernels.LinearKernel()) is None
+        True
+    """
+
+    def __init__(self, base: Kernel, scale: ScaleKernel | None = None):
+        self.base = base
+        self.scale = scale
+
+    @classmethod
+    def of(cls, kernel: Kernel) -> LeanKernel | None:
+        """The lean form of ``kernel``, or None where it is not of a supported type."""
+        scale = None
+        if type(kernel) is ScaleKernel:
+            if kernel.batch_shape != torch.Size([]) or kernel.active_dims is not None:
+                return None
+            scale, kernel = kernel, kernel.base_kernel
+        if type(kernel) not in (RBFKernel, MaternKernel) or kernel.active_dims is not None:
+            return None
+        if kernel.batch_shape != torch.Size([]) or (type(kernel) is MaternKernel and kernel.nu not in (0.5, 1.5, 2.5)):
+            return None
+        return cls(kernel, scale)
+
+    def __call__(self, x1: Tensor, x2: Tensor) -> Tensor:
+        r""":math:`\mathbf K_{\mathbf x_1\mathbf x_2}`, dense, ``(N1, N2)`` (pass the same tensor twice for a symmetric
+        block)."""
+        lengthscale = self.base.lengthscale
+        if type(self.base) is RBFKernel:
+            covariance = _square_distance(x1.div(lengthscale), x2.div(lengthscale), x1 is x2).mul(-0.5).exp()
+        else:
+            centre = x1.mean(dim=-2, keepdim=True)
+            z1, z2 = (x1 - centre).div(lengthscale), (x2 - centre).div(lengthscale)
+            # GPyTorch's clamp: the distance of a point to itself has a zero (not infinite) gradient.
+            distance = _square_distance(z1, z2, x1 is x2).clamp_min(1e-30).sqrt()
+            nu = self.base.nu
+            covariance = torch.exp(-math.sqrt(2.0 * nu) * distance)
+            if nu == 1.5:
+                covariance = covariance * (math.sqrt(3.0) * distance + 1.0)
+            elif nu == 2.5:
+                covariance = covariance * (math.sqrt(5.0) * distance + 1.0 + 5.0 / 3.0 * distance.pow(2))
+        return covariance if self.scale is None else covariance * self.scale.outputscale
+
+    def diagonal(self, x: Tensor) -> Tensor:
+        r""":math:`k(\mathbf x_n, \mathbf x_n)`, ``(N,)``: the output scale (1 without a scale kernel)."""
+        ones = x.new_ones(x.shape[:-1])
+        return ones if self.scale is None else ones * self.scale.outputscale
+
+
+def _square_distance(z1: Tensor, z2: Tensor, same: bool) -> Tensor:
+    # GPyTorch's expansion, operation for operation (centred, one product of augmented inputs): at zero distance the
+    # result is a rounding residual, which a Matern kernel's square root amplifies to ~1e-8, so the lean path must round
+    # exactly as the general path does to return the same values.
+    adjustment = z1.mean(-2, keepdim=True)
+    z1, z2 = z1 - adjustment, z2 - adjustment
+    norm1, norm2 = z1.pow(2).sum(dim=-1, keepdim=True), z2.pow(2).sum(dim=-1, keepdim=True)
+    augmented1 = torch.cat([-2.0 * z1, norm1, torch.ones_like(norm1)], dim=-1)
+    augmented2 = torch.cat([z2, torch.ones_like(norm2), norm2], dim=-1)
+    square = augmented1 @ augmented2.mT
+    if same and not z1.requires_grad and not z2.requires_grad:
+        square = square - torch.diag_embed(square.diagonal(dim1=-2, dim2=-1))
+    return square.clamp_min(0.0)

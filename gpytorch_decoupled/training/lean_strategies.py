@@ -1,0 +1,151 @@
+r"""
+The training-mode terms of each supported strategy as plain tensor operations: for a mini-batch :math:`\mathbf x`, the
+marginals :math:`q(f_n) = \mathcal N(\mu_n, \sigma_n^2)` and the KL term, with the values and gradients of the
+strategy's own training forward pass and ``kl_divergence()`` (tested to :math:`10^{-12}` in float64). One function per
+strategy type, found by exact type in :data:`STRATEGY_TERMS`; a subclass (which may change the forward pass) is not
+matched and keeps the general path.
+
+Every function takes the strategy, the :class:`~gpytorch_decoupled.training.LeanKernel` and prior mean of its model,
+the inputs and this step's random draws (made eagerly, before the compiled region, by :data:`STRATEGY_DRAWS`, from the
+same generator calls as the strategy's own training pass), and returns ``(mean, variance, kl)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
+from torch import Tensor
+
+from ..linalg import jittered_cholesky, kernel_keep_size
+from ..variational import (
+    FastNaturalVariationalDistribution,
+    HybridVariationalStrategy,
+    OrthogonallyDecoupledVariationalStrategy,
+)
+from .lean_kernel import LeanKernel
+
+MeanFunction = Callable[[Tensor], Tensor]
+
+
+def whitened_moments(distribution) -> tuple[Tensor, Tensor, Tensor] | None:
+    r"""
+    :math:`\mathbf m`, dense :math:`\mathbf S` and :math:`\log\lvert\mathbf S\rvert` of a whitened
+    :math:`q(\mathbf u)` of a supported type, or None: a
+    :class:`~gpytorch_decoupled.variational.FastNaturalVariationalDistribution` or
+    :class:`~gpytorch.variational.CholeskyVariationalDistribution` without batch shape.
+    """
+    if type(distribution) is FastNaturalVariationalDistribution and distribution.natural_vec.dim() == 1:
+        return distribution.moments()
+    if type(distribution) is CholeskyVariationalDistribution and distribution.variational_mean.dim() == 1:
+        factor = distribution.chol_variational_covar.tril()
+        logdet = 2.0 * factor.diagonal().abs().log().sum()
+        return distribution.variational_mean, factor @ factor.mT, logdet
+    return None
+
+
+def _standard_normal_kl(mean: Tensor, covariance: Tensor, logdet: Tensor) -> Tensor:
+    r""":math:`\mathrm{KL}[\mathcal N(\mathbf m, \mathbf S) \Vert \mathcal N(\mathbf 0, \mathbf I)]`."""
+    trace = covariance.diagonal(dim1=-2, dim2=-1).sum(-1)
+    return 0.5 * (trace + mean.pow(2).sum(-1) - mean.size(-1) - logdet)
+
+
+def _whitened_block(
+    strategy, kernel: LeanKernel, x: Tensor, data_cross: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
+    r"""
+    GPyTorch's whitened SVGP block: the factor :math:`\mathbf L` of :math:`\mathbf K_{\mathbf{uu}} + \epsilon\mathbf I`
+    (float64, escalating jitter), :math:`\mathbf W = \mathbf L^{-1}\mathbf K_{\mathbf u\mathbf x}`, the marginal
+    variances :math:`k(\mathbf x_n, \mathbf x_n) + \epsilon + \mathbf w_n^\top(\mathbf S - \mathbf I)\mathbf w_n` and
+    :math:`q(\mathbf u)`'s moments.
+    """
+    z = strategy.inducing_points
+    moments = whitened_moments(strategy._variational_distribution)
+    jitter = strategy.jitter_val
+    prior = kernel(z, z)
+    prior = prior + jitter * torch.eye(z.size(-2), dtype=z.dtype, device=z.device)
+    factor = jittered_cholesky(prior, name="K_uu")
+    cross = kernel(z, x) if data_cross is None else data_cross
+    interp = torch.linalg.solve_triangular(factor, cross, upper=False)
+    mean, covariance, _ = moments
+    middle = covariance - torch.eye(z.size(-2), dtype=z.dtype, device=z.device)
+    variance = kernel.diagonal(x) + jitter + (interp * (middle @ interp)).sum(-2)
+    return factor, interp, variance, moments
+
+
+def _svgp_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
+    _, interp, variance, moments = _whitened_block(strategy, kernel, x)
+    mean = prior_mean(x) + interp.mT @ moments[0]
+    return mean, variance, _standard_normal_kl(*moments)
+
+
+def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
+    r"""
+    The hybrid and orthogonally decoupled strategies: the whitened SVGP block on :math:`\beta` plus the mean basis
+    :math:`\mathbf K_{\cdot\gamma}\mathbf a_\gamma` at :math:`[\beta; C; \mathbf x]` from one kernel block
+    (:math:`C` the step's sampled KL rows, all of :math:`\gamma` when the quadratic form is exact), the residual
+    coordinates :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma` and the estimate
+    :math:`\tfrac{M_\gamma}{b}\mathbf a_C^\top\mathbf K_{C\gamma}\mathbf a_\gamma` (Salimbeni et al. 2018, eqs. 11-12,
+    App. A).
+    """
+    basis = strategy.mean_basis
+    gamma, coefficients = basis.inducing_points, basis.coefficients
+    beta = strategy.inducing_points
+    rows = gamma if draws is None else gamma[draws]
+    values = kernel(torch.cat([beta, rows, x], dim=-2), gamma) @ coefficients
+    beta_values, row_values, data_values = values.split([beta.size(-2), rows.size(-2), x.size(-2)], dim=-1)
+    scale = gamma.size(-2) / rows.size(-2)
+    row_coefficients = coefficients if draws is None else coefficients[draws]
+    quadratic_form = scale * (row_coefficients * row_values).sum(-1)
+    factor, interp, variance, moments = _whitened_block(strategy, kernel, x)
+    coordinates = torch.linalg.solve_triangular(factor, beta_values.unsqueeze(-1), upper=False).squeeze(-1)
+    kl = _standard_normal_kl(*moments)
+    if type(strategy) is OrthogonallyDecoupledVariationalStrategy:
+        block_mean = moments[0] - coordinates
+        kl = kl + 0.5 * (quadratic_form - coordinates.pow(2).sum(-1))
+    else:
+        block_mean = moments[0]
+        kl = kl + (moments[0] * coordinates).sum(-1) + 0.5 * quadratic_form
+    mean = prior_mean(x) + interp.mT @ block_mean + data_values
+    return mean, variance, kl
+
+
+def _residual_mean_draws(strategy) -> Tensor | None:
+    return strategy.mean_basis.sampled_rows()
+
+
+def _supports_svgp(strategy) -> str | None:
+    if strategy.inducing_points.dim() != 2:
+        return "the inducing points have a batch shape"
+    if not strategy.updated_strategy.item():
+        return "the strategy was loaded from a checkpoint of GPyTorch < 1.4 and is not whitened yet"
+    if whitened_moments(strategy._variational_distribution) is None:
+        name = type(strategy._variational_distribution).__name__
+        return f"{name} (supported: FastNaturalVariationalDistribution, CholeskyVariationalDistribution)"
+    return None
+
+
+def _supports_residual_mean(strategy) -> str | None:
+    if strategy.inducing_points.dim() != 2:
+        return "the inducing points have a batch shape"
+    if whitened_moments(strategy._variational_distribution) is None:
+        name = type(strategy._variational_distribution).__name__
+        return f"{name} (supported: FastNaturalVariationalDistribution, CholeskyVariationalDistribution)"
+    basis = strategy.mean_basis
+    size = basis.inducing_points.size(-2)
+    rows = size if basis.num_kl_columns is None or basis.num_kl_columns >= size else basis.num_kl_columns
+    if (rows + strategy.inducing_points.size(-2)) * size > kernel_keep_size.value():
+        return (
+            f"the mean basis (M={size}) is larger than the lean path forms as one kernel block (kernel_keep_size); "
+            "the general path's tiled products keep memory bounded"
+        )
+    return None
+
+
+# strategy type -> (why it is unsupported or None, the step's random draws, the terms)
+STRATEGY_TERMS: dict[type, tuple[Callable, Callable, Callable]] = {
+    VariationalStrategy: (_supports_svgp, lambda strategy: None, _svgp_terms),
+    OrthogonallyDecoupledVariationalStrategy: (_supports_residual_mean, _residual_mean_draws, _residual_mean_terms),
+    HybridVariationalStrategy: (_supports_residual_mean, _residual_mean_draws, _residual_mean_terms),
+}

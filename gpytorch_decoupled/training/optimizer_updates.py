@@ -1,0 +1,110 @@
+r"""
+The update of each supported optimizer as a function of the gradients (instead of ``.grad``), so that a compiled
+training step computes gradients with :func:`torch.autograd.grad` and applies every update in the same graph.
+:meth:`torch.optim.Optimizer.step` cannot be captured there: it graph-breaks on purpose to switch grad mode
+(pytorch/pytorch#104053) and on parameters whose ``.grad`` the graph assigned. Each update reproduces the optimizer's
+own eager step (the same arithmetic, the same state in ``optimizer.state``), so a compiled step and
+``optimizer.step()`` can alternate freely. Hyperparameters (``lr`` ...) are read at every step: changing them (e.g. a
+learning-rate scheduler) recompiles the step once per new value (and after ``torch._dynamo.config.recompile_limit``
+values the step runs eagerly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import gpytorch
+import torch
+from torch import Tensor
+
+Update = Callable[[Sequence[Tensor | None]], None]
+
+
+def unsupported_optimizer(optimizer) -> str | None:
+    """Why the compiled step cannot apply ``optimizer``'s update, or None when it can."""
+    if type(optimizer) is gpytorch.optim.NGD:
+        return None
+    if type(optimizer) is torch.optim.Adam:
+        for group in optimizer.param_groups:
+            if group["differentiable"] or group["fused"] or group["amsgrad"] or isinstance(group["lr"], Tensor):
+                return "torch.optim.Adam with amsgrad=True, differentiable=True, fused=True or a tensor lr"
+            if group.get("decoupled_weight_decay", False):
+                return "torch.optim.Adam with decoupled_weight_decay=True"
+            if any(parameter.is_complex() for parameter in group["params"]):
+                return "torch.optim.Adam with complex parameters"
+        return None
+    return f"{type(optimizer).__name__} (supported: torch.optim.Adam, gpytorch.optim.NGD)"
+
+
+def optimizer_update(optimizer, positions: list[list[int]]) -> Update:
+    r"""
+    The update of ``optimizer`` as a function of the gradients of all the step's parameters, where ``positions[g][i]``
+    is the index of parameter ``i`` of group ``g`` among them. Creates the optimizer's state now where it has none
+    (exactly as its first ``step()`` would), so that the compiled region only reads and updates it.
+    """
+    if type(optimizer) is gpytorch.optim.NGD:
+        return _ngd_update(optimizer, positions)
+    return _adam_update(optimizer, positions)
+
+
+def _ngd_update(optimizer, positions: list[list[int]]) -> Update:
+    def update(gradients: Sequence[Tensor | None]) -> None:
+        for group, indices in zip(optimizer.param_groups, positions):
+            for parameter, index in zip(group["params"], indices):
+                if gradients[index] is not None:
+                    # through a flat view: see _adam_parameter_update
+                    parameter.view(-1).add_(gradients[index].reshape(-1), alpha=-group["lr"] * optimizer.num_data)
+
+    return update
+
+
+def _adam_update(optimizer: torch.optim.Adam, positions: list[list[int]]) -> Update:
+    for group in optimizer.param_groups:
+        capturable = group["capturable"] or any(parameter.device.type != "cpu" for parameter in group["params"])
+        for parameter in group["params"]:
+            state = optimizer.state[parameter]
+            if len(state) == 0:
+                # What Adam's _init_group creates on a parameter's first step.
+                step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                step_device = parameter.device if capturable else torch.device("cpu")
+                state["step"] = torch.zeros((), dtype=step_dtype, device=step_device)
+                state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+
+    def update(gradients: Sequence[Tensor | None]) -> None:
+        for group, indices in zip(optimizer.param_groups, positions):
+            beta1, beta2 = group["betas"]
+            for parameter, index in zip(group["params"], indices):
+                gradient = gradients[index]
+                if gradient is None:
+                    continue
+                state = optimizer.state[parameter]
+                _adam_parameter_update(parameter, gradient, state, group, beta1, beta2)
+
+    return update
+
+
+def _adam_parameter_update(parameter: Tensor, gradient: Tensor, state: dict, group: dict, beta1, beta2) -> None:
+    r"""
+    :class:`torch.optim.Adam`'s single-tensor step (Kingma & Ba 2015, Algorithm 1, with its L2 weight decay and
+    ``maximize``) with the step count kept as a tensor: the bias corrections are computed from it in float64, as the
+    eager step computes them from a Python number, so the compiled graph does not depend on the step count.
+    (``torch.optim.adam.adam`` itself, traced, returns different values for some parameters under AOTAutograd in
+    torch 2.13, so the update is written out here.)
+    """
+    # In-place updates go through flat views: torch 2.13 under AOTAutograd drops in-place updates of 0-dim graph inputs
+    # that are not parameters (here Adam's state of a scalar parameter), but keeps those made through a view.
+    gradient = gradient.reshape(-1)
+    if group["maximize"]:
+        gradient = -gradient
+    if group["weight_decay"] != 0:
+        gradient = gradient.add(parameter.view(-1), alpha=group["weight_decay"])
+    step, exp_avg, exp_avg_sq = state["step"].view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+    step.add_(1)
+    exp_avg.lerp_(gradient, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(gradient, gradient.conj(), value=1 - beta2)
+    count = step.to(torch.float64)
+    bias_correction1 = 1 - beta1**count
+    bias_correction2_sqrt = (1 - beta2**count).sqrt()
+    denominator = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
+    parameter.view(-1).sub_((group["lr"] / bias_correction1) * exp_avg / denominator)

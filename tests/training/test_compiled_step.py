@@ -1,0 +1,126 @@
+"""Compiled training steps: one graph with no break for a whole step of every supported family (forward, ELBO,
+backward, NGD and Adam), equal to the eager step of GPyTorch's general path; eager fallback, input validation and
+non-finite losses. The equality tests compile with the ``aot_eager`` backend (Dynamo and AOTAutograd as in production,
+without Inductor's code generation, which takes minutes on two cores); ``tests/training/test_inductor_step.py`` runs
+Inductor itself (marked ``inductor``: a separate CI step)."""
+
+from __future__ import annotations
+
+import copy
+
+import gpytorch
+import pytest
+import torch
+
+from gpytorch_decoupled.training import TrainingStep, compile_training_step
+from tests.training.training_cases import make_case, optimizers
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+FAMILIES = {
+    "svgp-natural": {"strategy": "svgp", "distribution": "fast_natural"},
+    "svgp-cholesky": {"strategy": "svgp", "distribution": "cholesky"},
+    "orthnat": {"strategy": "odvgp", "distribution": "fast_natural"},
+    "hybrid": {"strategy": "hybrid", "distribution": "cholesky"},
+}
+
+
+def _training(options, seed=0):
+    model, likelihood, mll, x, y = make_case(seed=seed, **options)
+    return model, likelihood, mll, optimizers(model, likelihood, x.size(0), options["distribution"]), x, y
+
+
+def _state(model, likelihood):
+    return [parameter.detach().clone() for parameter in [*model.parameters(), *likelihood.parameters()]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_whole_step_is_one_graph(family):
+    model, likelihood, mll, opts, x, y = _training(FAMILIES[family])
+    step = TrainingStep(mll, opts, compile=False)
+    assert step.fallback_reason is None
+    torch.manual_seed(0)
+    draws = step.lean.draws()
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        explanation = torch._dynamo.explain(step._lean_step)(x, y, draws)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_step_equals_eager_general_step(family):
+    model, likelihood, mll, opts, x, y = _training(FAMILIES[family])
+    eager_model, eager_likelihood, eager_mll, eager_opts, _, _ = _training(FAMILIES[family])
+    compiled = compile_training_step(mll, opts, backend="aot_eager")
+    eager = TrainingStep(eager_mll, eager_opts, lean=False)
+    for index in range(3):
+        batch = slice(8 * index, 8 * index + 24)
+        torch.manual_seed(index)  # the same sampled KL rows
+        loss = compiled(x[batch], y[batch])
+        torch.manual_seed(index)
+        expected = eager(x[batch], y[batch])
+        torch.testing.assert_close(loss, expected, rtol=1e-11, atol=0)
+    for value, expected in zip(_state(model, likelihood), _state(eager_model, eager_likelihood), strict=True):
+        torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
+    # the optimizers' state is theirs: an eager step can follow a compiled one
+    for optimizer in opts:
+        optimizer.step()
+
+
+def test_unsupported_model_falls_back_to_eager_with_a_warning():
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["svgp-natural"])
+    eager_model, eager_likelihood, eager_mll, eager_opts, _, _ = _training(FAMILIES["svgp-natural"])
+    for target in (model, eager_model):
+        kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.PeriodicKernel()).double()
+        target.covar_module = kernel
+    opts[1] = torch.optim.Adam([*model.hyperparameters(), *likelihood.parameters()], lr=0.05)
+    eager_opts[1] = torch.optim.Adam([*eager_model.hyperparameters(), *eager_likelihood.parameters()], lr=0.05)
+    with pytest.warns(UserWarning, match="covar_module ScaleKernel"):
+        step = compile_training_step(mll, opts)
+    assert "covar_module" in step.fallback_reason
+    reference = TrainingStep(eager_mll, eager_opts, lean=False)
+    torch.testing.assert_close(step(x, y), reference(x, y), rtol=0, atol=0)
+
+
+def test_unsupported_optimizer_falls_back():
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["svgp-cholesky"])
+    sgd = torch.optim.SGD([*model.parameters(), *likelihood.parameters()], lr=0.01)
+    with pytest.warns(UserWarning, match="SGD"):
+        step = compile_training_step(mll, [sgd])
+    assert step(x, y).isfinite()
+
+
+def test_parameter_in_two_optimizers_is_refused():
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["svgp-natural"])
+    with pytest.raises(ValueError, match="more than one optimizer"):
+        TrainingStep(mll, [*opts, torch.optim.Adam(model.hyperparameters())], compile=False)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda x, y: (x[:, :1], y), "x must have shape"),
+        (lambda x, y: (x, y[:-1]), "y must have shape"),
+        (lambda x, y: (x.float(), y), "x is torch.float32"),
+        (lambda x, y: (x, torch.where(y > 0, float("nan"), y)), "NaN or inf"),
+    ],
+)
+def test_bad_input_is_refused_before_any_change(bad, message):
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["orthnat"])
+    step = TrainingStep(mll, opts, compile=False)
+    before = _state(model, likelihood)
+    adam_state = copy.deepcopy(opts[1].state_dict())
+    with pytest.raises(ValueError, match=message):
+        step(*bad(x, y))
+    for value, expected in zip(_state(model, likelihood), before, strict=True):
+        assert torch.equal(value, expected)
+    assert str(opts[1].state_dict()) == str(adam_state)
+
+
+def test_non_finite_loss_raises():
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["svgp-natural"])
+    step = compile_training_step(mll, opts, backend="aot_eager")
+    with torch.no_grad():
+        model.covar_module.raw_outputscale.fill_(float("nan"))
+    with pytest.raises(RuntimeError, match="not finite"):
+        step(x, y)

@@ -1,0 +1,51 @@
+"""The compiled step with Inductor, the default backend (marked ``inductor``: compiling takes minutes on two CPU cores,
+so CI runs these in their own step, ``make suite-inductor``): equal to the eager step, and ``mode="reduce-overhead"``
+(CUDA graphs on a GPU, ordinary Inductor code on a CPU) as well. One compiled step serves the whole module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpytorch_decoupled.training import TrainingStep, compile_training_step
+from tests.training.training_cases import make_case, optimizers
+
+pytestmark = [pytest.mark.inductor, pytest.mark.usefixtures("single_thread")]
+
+
+def _pair(seed=0, device="cpu", **compile_options):
+    options = {"strategy": "odvgp", "distribution": "fast_natural"}
+    model, likelihood, mll, x, y = make_case(seed=seed, **options)
+    eager_model, eager_likelihood, eager_mll, _, _ = make_case(seed=seed, **options)
+    for module in (model, likelihood, eager_model, eager_likelihood):
+        module.to(device)
+    x, y = x.to(device), y.to(device)
+    compiled = compile_training_step(mll, optimizers(model, likelihood, x.size(0)), **compile_options)
+    eager = TrainingStep(eager_mll, optimizers(eager_model, eager_likelihood, x.size(0)), lean=False)
+    return compiled, eager, x, y
+
+
+def _assert_steps_equal(compiled, eager, x, y, steps=3):
+    for index in range(steps):
+        torch.manual_seed(index)
+        loss = compiled(x[:24], y[:24])
+        torch.manual_seed(index)
+        torch.testing.assert_close(loss, eager(x[:24], y[:24]), rtol=1e-10, atol=0)
+    parameters = [*compiled.model.parameters(), *compiled.likelihood.parameters()]
+    expected = [*eager.model.parameters(), *eager.likelihood.parameters()]
+    for value, reference in zip(parameters, expected, strict=True):
+        torch.testing.assert_close(value, reference, rtol=1e-9, atol=1e-11)
+
+
+def test_inductor_step_equals_eager():
+    _assert_steps_equal(*_pair())
+
+
+def test_reduce_overhead_mode_runs_and_equals_eager():
+    # On a CPU there is nothing to capture in CUDA graphs: the mode compiles as the default one does.
+    _assert_steps_equal(*_pair(mode="reduce-overhead"))
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_step_equals_eager():
+    _assert_steps_equal(*_pair(device="cuda", mode="reduce-overhead"))

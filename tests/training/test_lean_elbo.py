@@ -1,0 +1,96 @@
+"""The lean training path returns the general path's loss and every gradient (float64, 1e-12), for every supported
+strategy, distribution, kernel, mean and likelihood; unsupported parts are named."""
+
+from __future__ import annotations
+
+import gpytorch
+import pytest
+import torch
+
+from gpytorch_decoupled.training import LeanELBO, LeanKernel, LeanLikelihood
+from tests.training.training_cases import DISTRIBUTIONS, KERNELS, STRATEGIES, make_case
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _loss_and_gradients(loss_fn, parameters):
+    loss = loss_fn()
+    return loss.detach(), torch.autograd.grad(loss, parameters, allow_unused=True)
+
+
+def _assert_same(lean_fn, general_fn, parameters, rtol=1e-12):
+    lean_loss, lean_grads = _loss_and_gradients(lean_fn, parameters)
+    general_loss, general_grads = _loss_and_gradients(general_fn, parameters)
+    torch.testing.assert_close(lean_loss, general_loss, rtol=rtol, atol=0)
+    for lean_grad, general_grad in zip(lean_grads, general_grads, strict=True):
+        assert (lean_grad is None) == (general_grad is None)
+        if general_grad is not None:
+            assert general_grad.abs().max() > 0
+            # relative to each gradient's size: entries that cancel to ~0 carry the rounding of the larger ones
+            torch.testing.assert_close(lean_grad, general_grad, rtol=0, atol=rtol * general_grad.abs().max())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("distribution", DISTRIBUTIONS)
+def test_strategies_match_general_path(strategy, distribution):
+    model, likelihood, mll, x, y = make_case(strategy=strategy, distribution=distribution)
+    lean = LeanELBO.of(mll)
+    assert lean is not None, LeanELBO.unsupported(mll)
+    parameters = [*model.parameters(), *likelihood.parameters()]
+
+    def lean_loss():
+        torch.manual_seed(3)  # the same sampled KL rows on both paths
+        return lean(x, y, lean.draws())
+
+    def general_loss():
+        torch.manual_seed(3)
+        return -mll(model(x), y)
+
+    _assert_same(lean_loss, general_loss, parameters)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("mean", ["constant", "zero"])
+def test_kernels_and_means_match_general_path(kernel, mean):
+    model, likelihood, mll, x, y = make_case(kernel=kernel, mean=mean)
+    lean = LeanELBO.of(mll)
+    parameters = [*model.parameters(), *likelihood.parameters()]
+    _assert_same(lambda: lean(x, y, None), lambda: -mll(model(x), y), parameters)
+
+
+def test_kernel_matches_dense_oracle():
+    from tests.oracles import rbf
+
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    kernel.base_kernel.lengthscale = 0.7
+    kernel.outputscale = 1.3
+    x1, x2 = torch.randn(6, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    lean = LeanKernel.of(kernel)
+    lengthscale, outputscale = kernel.base_kernel.lengthscale.item(), kernel.outputscale.item()
+    torch.testing.assert_close(lean(x1, x2), rbf(x1, x2, lengthscale, outputscale), rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(lean.diagonal(x1), torch.full((6,), outputscale, dtype=torch.float64))
+
+
+def test_unsupported_parts_are_named():
+    model, likelihood, mll, x, y = make_case()
+    assert LeanELBO.unsupported(mll) is None
+    model.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.LinearKernel()).double()
+    assert "covar_module" in LeanELBO.unsupported(mll) and LeanELBO.of(mll) is None
+    model, likelihood, mll, x, y = make_case()
+    predictive = gpytorch.mlls.PredictiveLogLikelihood(likelihood, model, num_data=40)
+    assert "PredictiveLogLikelihood" in LeanELBO.unsupported(predictive)
+    model.covar_module.register_prior("outputscale_prior", gpytorch.priors.GammaPrior(2.0, 1.0), "outputscale")
+    assert "prior" in LeanELBO.unsupported(mll)
+    assert LeanLikelihood.of(gpytorch.likelihoods.StudentTLikelihood()) is None
+    assert LeanLikelihood.of(gpytorch.likelihoods.BernoulliLikelihood()) is None
+
+
+def test_model_forward_is_checked():
+    model, likelihood, mll, x, y = make_case()
+
+    def warped_forward(inputs):  # a model whose forward is not the prior of its mean and kernel modules
+        inputs = inputs.pow(2)
+        return gpytorch.distributions.MultivariateNormal(model.mean_module(inputs), model.covar_module(inputs))
+
+    model.forward = warped_forward
+    assert "model.forward" in LeanELBO.unsupported(mll)

@@ -1,0 +1,85 @@
+"""Small models for the training-step tests: every supported strategy, kernel, mean and likelihood, with parameters
+moved away from their initial values (so that no gradient is trivially zero)."""
+
+from __future__ import annotations
+
+import gpytorch
+import torch
+
+from gpytorch_decoupled.variational import (
+    FastNaturalVariationalDistribution,
+    HybridVariationalStrategy,
+    OrthogonallyDecoupledVariationalStrategy,
+)
+
+STRATEGIES = ("svgp", "odvgp", "hybrid")
+DISTRIBUTIONS = ("fast_natural", "cholesky")
+KERNELS = ("rbf_ard", "matern12", "matern32", "matern52", "rbf_unscaled")
+
+
+class CaseModel(gpytorch.models.ApproximateGP):
+    def __init__(self, z, strategy="svgp", distribution="fast_natural", kernel="rbf_ard", mean="constant", gamma=None):
+        q = (
+            FastNaturalVariationalDistribution(z.size(0))
+            if distribution == "fast_natural"
+            else gpytorch.variational.CholeskyVariationalDistribution(z.size(0))
+        )
+        if strategy == "svgp":
+            variational_strategy = gpytorch.variational.VariationalStrategy(self, z, q)
+        else:
+            cls = OrthogonallyDecoupledVariationalStrategy if strategy == "odvgp" else HybridVariationalStrategy
+            variational_strategy = cls(self, z, q, gamma, num_kl_columns=5)
+        super().__init__(variational_strategy)
+        self.mean_module = gpytorch.means.ConstantMean() if mean == "constant" else gpytorch.means.ZeroMean()
+        dims = z.size(-1)
+        base = {
+            "rbf_ard": lambda: gpytorch.kernels.RBFKernel(ard_num_dims=dims),
+            "rbf_unscaled": lambda: gpytorch.kernels.RBFKernel(),
+            "matern12": lambda: gpytorch.kernels.MaternKernel(nu=0.5, ard_num_dims=dims),
+            "matern32": lambda: gpytorch.kernels.MaternKernel(nu=1.5),
+            "matern52": lambda: gpytorch.kernels.MaternKernel(nu=2.5, ard_num_dims=dims),
+        }[kernel]()
+        self.covar_module = base if kernel == "rbf_unscaled" else gpytorch.kernels.ScaleKernel(base)
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def make_case(seed=0, dtype=torch.float64, likelihood="gaussian", num_data=40, num_inducing=8, dims=2, **options):
+    """A model, likelihood, objective and data, with q(u) initialized and every parameter perturbed."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.rand(num_data, dims, generator=generator, dtype=dtype) * 4 - 2
+    f = torch.sin(2 * x[:, 0]) + 0.5 * x[:, 1:].sum(-1)
+    if likelihood == "gaussian":
+        y = f + 0.1 * torch.randn(num_data, generator=generator, dtype=dtype)
+        lik = gpytorch.likelihoods.GaussianLikelihood()
+    else:
+        y = (f > 0).to(dtype)
+        lik = gpytorch.likelihoods.BernoulliLikelihood()
+    gamma = torch.rand(20, dims, generator=generator, dtype=dtype) * 4 - 2
+    torch.manual_seed(seed)
+    model = CaseModel(x[:num_inducing].clone() + 0.05, gamma=gamma, **options).to(dtype)
+    lik = lik.to(dtype)
+    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=num_data)
+    model.train()
+    lik.train()
+    with torch.no_grad():
+        model(x[:2])  # initializes q(u) as GPyTorch does on the first call
+        for name, parameter in [*model.named_parameters(), *lik.named_parameters()]:
+            if "natural" not in name:  # natural parameters must stay a valid Gaussian: moved by NGD below
+                parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator, dtype=dtype))
+        if options.get("distribution", "fast_natural") == "fast_natural":
+            q = model.variational_strategy._variational_distribution
+            shift = 0.1 * torch.randn(num_inducing, num_inducing, generator=generator, dtype=dtype)
+            q.natural_mat.sub_(0.05 * (shift @ shift.mT))
+            q.natural_vec.add_(0.3 * torch.randn(num_inducing, generator=generator, dtype=dtype))
+    return model, lik, mll, x, y
+
+
+def optimizers(model, likelihood, num_data, distribution="fast_natural"):
+    """NGD on q(u) (Adam with a Cholesky distribution) and Adam on the rest, as the benchmarks train."""
+    if distribution == "fast_natural":
+        ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=num_data, lr=0.1)
+        adam = torch.optim.Adam([*model.hyperparameters(), *likelihood.parameters()], lr=0.05)
+        return [ngd, adam]
+    return [torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=0.05)]
