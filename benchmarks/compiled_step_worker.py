@@ -1,18 +1,19 @@
 """One configuration of ``bench compiled-step`` in its own process: ``python -m benchmarks.compiled_step_worker
 CONFIG DATA SECONDS WARMUP``. Builds the model from the shared data file (the same inputs, inducing inputs and batch
 order for every configuration and framework), times the first step (the compilation, for compiled steps), takes
-``WARMUP`` more steps, then steps for ``SECONDS`` and prints one JSON line: the first step's seconds and the median,
-10th and 90th percentile step times (ms) of the timed steps."""
+``WARMUP`` more steps, then steps for ``SECONDS`` and prints one JSON line (``benchmarks/peers/timing.py``: step times
+in process CPU time and wall-clock time)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import torch
+
+from benchmarks.peers.timing import time_steps
 
 TORCH_CONFIGS = (
     "gpytorch-svgp-adam",
@@ -24,42 +25,20 @@ TORCH_CONFIGS = (
 )
 
 
-def _svgp(train_x, train_y, inducing, natural: bool, lr: float = 0.01, ngd_lr: float = 0.1):
-    import gpytorch
-
-    from benchmarks.methods.approximate_regression_model import ApproximateRegressionModel
-    from gpytorch_decoupled.variational import FastNaturalVariationalDistribution
-
-    distribution_cls = (
-        FastNaturalVariationalDistribution if natural else gpytorch.variational.CholeskyVariationalDistribution
-    )
-
-    def make_strategy(model):
-        return gpytorch.variational.VariationalStrategy(model, inducing, distribution_cls(inducing.size(0)))
-
-    model = ApproximateRegressionModel(make_strategy, train_x.size(-1)).to(train_x)
-    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(train_x)
-    mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=train_y.size(0))
-    if natural:
-        optimizers = [
-            gpytorch.optim.NGD(model.variational_parameters(), num_data=train_y.size(0), lr=ngd_lr),
-            torch.optim.Adam([*model.hyperparameters(), *likelihood.parameters()], lr=lr),
-        ]
-    else:
-        optimizers = [torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=lr)]
-    return mll, optimizers
-
-
 def make_step(config: str, train_x, train_y, inducing, mean_inducing):
     """The step function ``step(x, y)`` of a configuration."""
+    from benchmarks.methods.svgp_method import SVGPMethod
     from gpytorch_decoupled.training import TrainingStep, compile_training_step
 
     family, _, mode = config.rpartition("-")
-    if family == "gpytorch-svgp":
-        mll, optimizers = _svgp(train_x, train_y, inducing, natural=False)
-        return TrainingStep(mll, optimizers, lean=False)
-    if family == "ours-svgp-natural":
-        mll, optimizers = _svgp(train_x, train_y, inducing, natural=True)
+    if family in ("gpytorch-svgp", "ours-svgp-natural"):
+        natural = family == "ours-svgp-natural"
+        method = SVGPMethod(train_x, train_y, num_inducing=inducing.size(0), natural=natural, fast_natural=natural)
+        with torch.no_grad():  # the shared inducing inputs (the method draws its own with the same seed)
+            method.model.variational_strategy.inducing_points.copy_(inducing)
+        mll, optimizers = method.mll, method.optimizers
+        if not natural:
+            return TrainingStep(mll, optimizers, lean=False)
     elif family == "ours-orthnat":
         from benchmarks.methods.orthogonal_method import OrthogonalMethod
 
@@ -100,28 +79,7 @@ def run(config: str, data_path: str, seconds: float, warmup: int) -> dict:
     def batch(i: int):
         return batches[i % len(batches)]
 
-    start = time.perf_counter()
-    step(*batch(0))
-    first = time.perf_counter() - start
-    for i in range(1, warmup + 1):
-        step(*batch(i))
-    times = []
-    i = warmup + 1
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        step(*batch(i))
-        times.append(time.perf_counter() - start)
-        i += 1
-    ms = np.array(times) * 1e3
-    return {
-        "config": config,
-        "first_step_s": first,
-        "step_ms": float(np.median(ms)),
-        "step_ms_p10": float(np.percentile(ms, 10)),
-        "step_ms_p90": float(np.percentile(ms, 90)),
-        "steps": len(times),
-    }
+    return time_steps(config, lambda i: step(*batch(i)), seconds, warmup)
 
 
 if __name__ == "__main__":

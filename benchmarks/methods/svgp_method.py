@@ -4,6 +4,8 @@ import gpytorch
 import torch
 from torch import Tensor
 
+from gpytorch_decoupled.variational import FastNaturalVariationalDistribution
+
 from .approximate_gp_method import ApproximateGPMethod
 from .approximate_regression_model import ApproximateRegressionModel
 from .inducing_points import initial_inducing_points
@@ -25,6 +27,8 @@ class SVGPMethod(ApproximateGPMethod):
     :param ngd_lr: NGD step size (``natural=True`` only).
     :param seed: Seed for the inducing-point draw and initial parameters.
     :param likelihood: The likelihood (default: Gaussian).
+    :param fast_natural: With ``natural=True``, this package's
+        :class:`~gpytorch_decoupled.variational.FastNaturalVariationalDistribution` (same parameters and steps).
     """
 
     def __init__(
@@ -37,11 +41,16 @@ class SVGPMethod(ApproximateGPMethod):
         ngd_lr: float = 0.1,
         seed: int = 0,
         likelihood: gpytorch.likelihoods.Likelihood | None = None,
+        fast_natural: bool = False,
     ):
         torch.manual_seed(seed)
         inducing_points = initial_inducing_points(train_x, num_inducing, seed)
         distribution_cls = (
-            gpytorch.variational.NaturalVariationalDistribution
+            (
+                FastNaturalVariationalDistribution
+                if fast_natural
+                else gpytorch.variational.NaturalVariationalDistribution
+            )
             if natural
             else gpytorch.variational.CholeskyVariationalDistribution
         )

@@ -8,7 +8,6 @@ the same data, inducing inputs and batch order; the step is a ``tf.function``. P
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
@@ -17,6 +16,7 @@ import gpflow  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
+from timing import time_steps  # noqa: E402  (this folder, on sys.path as the script's)
 
 
 def main(config: str, data_path: str, seconds: float, warmup: int) -> dict:
@@ -50,27 +50,7 @@ def main(config: str, data_path: str, seconds: float, warmup: int) -> dict:
             adam.minimize(lambda: model.training_loss((xb, yb)), model.trainable_variables)
     else:
         raise ValueError(f"unknown configuration {config!r}")
-    start = time.perf_counter()
-    step(*batches[0])
-    first = time.perf_counter() - start
-    for i in range(1, warmup + 1):
-        step(*batches[i % len(batches)])
-    times, i = [], warmup + 1
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        step(*batches[i % len(batches)])
-        times.append(time.perf_counter() - start)
-        i += 1
-    ms = np.array(times) * 1e3
-    return {
-        "config": config,
-        "first_step_s": first,
-        "step_ms": float(np.median(ms)),
-        "step_ms_p10": float(np.percentile(ms, 10)),
-        "step_ms_p90": float(np.percentile(ms, 90)),
-        "steps": len(times),
-    }
+    return time_steps(config, lambda i: step(*batches[i % len(batches)]), seconds, warmup)
 
 
 if __name__ == "__main__":

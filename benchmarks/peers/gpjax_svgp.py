@@ -8,7 +8,6 @@ likelihood, float32), the same data, inducing inputs and batch order; the step (
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
 
@@ -18,6 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from timing import time_steps  # noqa: E402  (this folder, on sys.path as the script's)
 
 
 def main(config: str, data_path: str, seconds: float, warmup: int) -> dict:
@@ -46,30 +46,13 @@ def main(config: str, data_path: str, seconds: float, warmup: int) -> dict:
         updates, opt_state = optim.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         return eqx.apply_updates(model, updates), opt_state, value
 
-    start = time.perf_counter()
-    model, opt_state, value = step(model, opt_state, batches[0])
-    jax.block_until_ready(value)
-    first = time.perf_counter() - start
-    for i in range(1, warmup + 1):
-        model, opt_state, value = step(model, opt_state, batches[i % len(batches)])
-    jax.block_until_ready(value)
-    times, i = [], warmup + 1
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        model, opt_state, value = step(model, opt_state, batches[i % len(batches)])
-        jax.block_until_ready(value)
-        times.append(time.perf_counter() - start)
-        i += 1
-    ms = np.array(times) * 1e3
-    return {
-        "config": config,
-        "first_step_s": first,
-        "step_ms": float(np.median(ms)),
-        "step_ms_p10": float(np.percentile(ms, 10)),
-        "step_ms_p90": float(np.percentile(ms, 90)),
-        "steps": len(times),
-    }
+    state = {"model": model, "opt_state": opt_state}
+
+    def run(i: int):
+        state["model"], state["opt_state"], value = step(state["model"], state["opt_state"], batches[i % len(batches)])
+        return value
+
+    return time_steps(config, run, seconds, warmup, finish=jax.block_until_ready)
 
 
 if __name__ == "__main__":
