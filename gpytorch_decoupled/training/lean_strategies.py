@@ -6,8 +6,9 @@ strategy type, found by exact type in :data:`STRATEGY_TERMS`; a subclass (which 
 matched and keeps the general path.
 
 Every function takes the strategy, the :class:`~gpytorch_decoupled.training.LeanKernel` and prior mean of its model,
-the inputs and this step's random draws (made eagerly, before the compiled region, by :data:`STRATEGY_DRAWS`, from the
-same generator calls as the strategy's own training pass), and returns ``(mean, variance, kl)``.
+the inputs and this step's random draws (made eagerly, before the compiled region, by the second function of its
+entry in :data:`STRATEGY_TERMS`, from the same generator calls as the strategy's own training pass; none for the
+strategies here), and returns ``(mean, variance, kl)``.
 """
 
 from __future__ import annotations
@@ -83,11 +84,11 @@ def _svgp_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tenso
 def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
     r"""
     The hybrid and orthogonally decoupled strategies: the whitened SVGP block on :math:`\beta` plus the mean basis
-    :math:`\mathbf K_{\cdot\gamma}\mathbf a_\gamma` at :math:`[\beta; C; \mathbf x]` from one kernel block
-    (:math:`C` the step's sampled KL rows, all of :math:`\gamma` when the quadratic form is exact), the residual
-    coordinates :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma` and the estimate
-    :math:`\tfrac{M_\gamma}{b}\mathbf a_C^\top\mathbf K_{C\gamma}\mathbf a_\gamma` (Salimbeni et al. 2018, eqs. 11-12,
-    App. A).
+    :math:`\mathbf K_{\cdot\gamma}\mathbf a_\gamma` at :math:`[\beta; \gamma; \mathbf x]` from one kernel block, the
+    residual coordinates :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma` and the exact
+    :math:`\mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma` (Salimbeni et al. 2018, eqs. 11-12, App. A): the
+    training KL of a mean basis of at most ``exact_kl_size`` points (larger bases, whose KL is a control-variate
+    estimate, keep the general path).
     """
     basis = strategy.mean_basis
     gamma, coefficients = basis.inducing_points, basis.coefficients
@@ -111,10 +112,6 @@ def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction,
     return mean, variance, kl
 
 
-def _residual_mean_draws(strategy) -> Tensor | None:
-    return strategy.mean_basis.sampled_rows()
-
-
 def _supports_svgp(strategy) -> str | None:
     if strategy.inducing_points.dim() != 2:
         return "the inducing points have a batch shape"
@@ -134,8 +131,16 @@ def _supports_residual_mean(strategy) -> str | None:
         return f"{name} (supported: FastNaturalVariationalDistribution, CholeskyVariationalDistribution)"
     basis = strategy.mean_basis
     size = basis.inducing_points.size(-2)
-    rows = size if basis.num_kl_columns is None or basis.num_kl_columns >= size else basis.num_kl_columns
-    if (rows + strategy.inducing_points.size(-2)) * size > kernel_keep_size.value():
+    training = basis.training
+    basis.train()  # the question is about training steps
+    exact = basis.exact_quadratic_form()
+    basis.train(training)
+    if not exact:
+        return (
+            f"the mean basis (M={size}) is larger than exact_kl_size, so its training KL is a control-variate estimate "
+            "from rows drawn by |a| (not on the lean path yet)"
+        )
+    if (2 * size + strategy.inducing_points.size(-2)) * size > kernel_keep_size.value():
         return (
             f"the mean basis (M={size}) is larger than the lean path forms as one kernel block (kernel_keep_size); "
             "the general path's tiled products keep memory bounded"
@@ -146,6 +151,6 @@ def _supports_residual_mean(strategy) -> str | None:
 # strategy type -> (why it is unsupported or None, the step's random draws, the terms)
 STRATEGY_TERMS: dict[type, tuple[Callable, Callable, Callable]] = {
     VariationalStrategy: (_supports_svgp, lambda strategy: None, _svgp_terms),
-    OrthogonallyDecoupledVariationalStrategy: (_supports_residual_mean, _residual_mean_draws, _residual_mean_terms),
-    HybridVariationalStrategy: (_supports_residual_mean, _residual_mean_draws, _residual_mean_terms),
+    OrthogonallyDecoupledVariationalStrategy: (_supports_residual_mean, lambda strategy: None, _residual_mean_terms),
+    HybridVariationalStrategy: (_supports_residual_mean, lambda strategy: None, _residual_mean_terms),
 }
