@@ -100,19 +100,16 @@ def jittered_cholesky(
     with torch.no_grad():
         factor = _traceable_factor if compiling else _factor
         L = factor(A.detach(), jitter, max_tries, name)
-    return _CholeskyFactor.apply(A, L)
+    return (_CompiledCholeskyFactor if compiling else _CholeskyFactor).apply(A, L)
 
 
-class _CholeskyFactor(torch.autograd.Function):
+class _CompiledCholeskyFactor(torch.autograd.Function):
     r"""The factor ``L`` of ``A`` (computed by :func:`jittered_cholesky`) as a differentiable function of ``A``, with
     the derivatives of :func:`torch.linalg.cholesky` in ``L``'s dtype. Backward:
     :math:`\bar{\mathbf A} = \mathbf L^{-\top}\tfrac12(\boldsymbol\Phi + \boldsymbol\Phi^\top)\mathbf L^{-1}`
     with :math:`\boldsymbol\Phi` the lower triangle of :math:`\mathbf L^\top\bar{\mathbf L}`, its diagonal
-    halved; forward mode: :math:`\dot{\mathbf L} = \mathbf L\,\Psi(\mathbf L^{-1}\dot{\mathbf A}
-    \mathbf L^{-\top})`, :math:`\Psi` the lower triangle with the diagonal halved (the diagonal jitter is a constant,
-    so the formulas of the jittered matrix hold)."""
-
-    generate_vmap_rule = True
+    halved. Reverse mode only: what :func:`torch.compile` traces (Dynamo does not trace custom forward-mode rules).
+    """
 
     @staticmethod
     def forward(A: Tensor, L: Tensor) -> Tensor:
@@ -121,7 +118,6 @@ class _CholeskyFactor(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
         ctx.save_for_backward(inputs[1])
-        ctx.factor = inputs[1]  # forward mode has no saved tensors
 
     @staticmethod
     def backward(ctx, grad_L: Tensor) -> tuple[Tensor, None]:
@@ -130,6 +126,19 @@ class _CholeskyFactor(torch.autograd.Function):
         phi = 0.5 * (phi + phi.tril(-1).mT)
         grad_A = torch.linalg.solve_triangular(L.mT, phi, upper=True)
         return torch.linalg.solve_triangular(L, grad_A, upper=False, left=False), None
+
+
+class _CholeskyFactor(_CompiledCholeskyFactor):
+    r""":class:`_CompiledCholeskyFactor` with forward mode as well: :math:`\dot{\mathbf L} = \mathbf L\,
+    \Psi(\mathbf L^{-1}\dot{\mathbf A}\mathbf L^{-\top})`, :math:`\Psi` the lower triangle with the diagonal halved
+    (the diagonal jitter is a constant, so the formulas of the jittered matrix hold)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(inputs[1])
+        ctx.factor = inputs[1]  # forward mode has no saved tensors
 
     @staticmethod
     def jvp(ctx, tangent_A: Tensor, tangent_L: Tensor | None) -> Tensor:
