@@ -33,7 +33,11 @@ Cache safety (GPyTorch's memoize cache lives in each module's ``_memoize_cache``
 ``_clear_cache()``, which GPyTorch calls on ``train()``/``eval()``, ``load_state_dict`` and every training call of a
 strategy, in every version since 1.0): the class decorator :func:`cache_safe` also empties it after ``.to()`` /
 ``.double()`` / ``.cuda()``, which GPyTorch does not (GPyTorch issues #1619 and #1859: stale float32 or CPU factors
-after a conversion), and keeps it out of copies and pickles.
+after a conversion), keeps it out of copies and pickles, and gives the strategies ``_clear_cache_if_stale``, which
+empties it when a tensor it may depend on has changed since it was filled (in eval mode GPyTorch keeps its factors
+across predictions whatever happens to the hyperparameters). That check reads each tensor's version counter
+(``Tensor._version``, which every in-place operation on a tensor increments, also under ``torch.no_grad``), so it
+relies on PyTorch's version counters, present since PyTorch 0.4.
 """
 
 from __future__ import annotations
@@ -123,7 +127,45 @@ def clear_caches(module: Module) -> None:
 
 def _forget_kept_values(module: torch.nn.Module) -> None:
     for child in module.modules():
-        child.__dict__.update(dict.fromkeys(getattr(child, "_step_attributes", ())))
+        child.__dict__.update(dict.fromkeys((*getattr(child, "_step_attributes", ()), "_eval_state")))
+
+
+# Tensors with at most this many elements are compared by value as well as by version: GPyTorch's hyperparameter
+# setters (``kernel.lengthscale = ...``, ``Module.initialize``) write through ``.data``, which has a version counter of
+# its own. Hyperparameters are this small; the large tensors (bases, variational parameters) change through optimizers,
+# ``load_state_dict`` or ``torch.no_grad`` in-place operations, which all count.
+_VALUE_CHECKED_NUMEL = 1024
+
+
+class _TensorState:
+    """What the values computed from the tensors of some modules depend on: each tensor's identity, version counter,
+    dtype, device and shape, and the values of the small ones."""
+
+    def __init__(self, modules: tuple[torch.nn.Module, ...], ignore: tuple[Tensor, ...]):
+        self.tensors = _tensors(modules, ignore)
+        self.signature = _signature(self.tensors)
+        self.values = [tensor.detach().clone() for tensor in self.tensors if tensor.numel() <= _VALUE_CHECKED_NUMEL]
+
+    def holds(self, modules: tuple[torch.nn.Module, ...], ignore: tuple[Tensor, ...]) -> bool:
+        tensors = _tensors(modules, ignore)
+        if len(tensors) != len(self.tensors) or _signature(tensors) != self.signature:
+            return False
+        small = (tensor for tensor in tensors if tensor.numel() <= _VALUE_CHECKED_NUMEL)
+        return all(torch.equal(tensor, value) for tensor, value in zip(small, self.values, strict=True))
+
+
+def _tensors(modules: tuple[torch.nn.Module, ...], ignore: tuple[Tensor, ...]) -> list[Tensor]:
+    seen, tensors = {id(tensor) for tensor in ignore}, []
+    for module in modules:
+        for tensor in (*module.parameters(), *module.buffers()):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors.append(tensor)
+    return tensors
+
+
+def _signature(tensors: list[Tensor]) -> tuple:
+    return tuple((id(tensor), tensor._version, tensor.dtype, tensor.device, tensor.shape) for tensor in tensors)
 
 
 def cache_safe(cls: ModuleType) -> ModuleType:
@@ -137,7 +179,11 @@ def cache_safe(cls: ModuleType) -> ModuleType:
     * ``_apply`` (behind ``.to()``, ``.double()``, ``.cuda()``): after the conversion, clears the caches of every
       module below (GPyTorch keeps them: issues #1619 and #1859);
     * ``__getstate__``: copies and pickles carry neither caches nor kept values (right after a training step they
-      hold tensors of an autograd graph, which cannot be deep-copied); they are recomputed on the next call.
+      hold tensors of an autograd graph, which cannot be deep-copied); they are recomputed on the next call;
+    * ``_clear_cache_if_stale(*modules, ignore=())``: clears the caches unless no parameter or buffer of ``modules``
+      (but the tensors in ``ignore``, e.g. a flag the call itself sets) has changed (in place, through a setter, by
+      ``load_state_dict``, by replacement or conversion) since the last call that filled them; the strategies call it
+      on every eval-mode call, so that a prediction always reflects the current parameters.
 
     A decorator rather than a base class, so that the classes keep GPyTorch's hierarchy: the strategies of this package
     are one class deeper than GPyTorch's at most.
@@ -154,7 +200,15 @@ def cache_safe(cls: ModuleType) -> ModuleType:
 
     def __getstate__(self) -> dict[str, Any]:
         state = super(cls, self).__getstate__()
-        return {**state, "_memoize_cache": {}, **dict.fromkeys(getattr(self, "_step_attributes", ()))}
+        kept = (*getattr(self, "_step_attributes", ()), "_eval_state")
+        return {**state, "_memoize_cache": {}, **dict.fromkeys(kept)}
+
+    def _clear_cache_if_stale(self, *modules: torch.nn.Module, ignore: tuple[Tensor, ...] = ()) -> None:
+        state = self.__dict__.get("_eval_state")
+        if state is None or not state.holds(modules, ignore):
+            self._clear_cache()
+            self._eval_state = _TensorState(modules, ignore)
 
     cls._clear_cache, cls._apply, cls.__getstate__ = _clear_cache, _apply, __getstate__
+    cls._clear_cache_if_stale = _clear_cache_if_stale
     return cls

@@ -14,8 +14,10 @@ from ._collectives import Group, communicate, group_rank_and_size
 @torch.no_grad()
 def broadcast_state(modules: Iterable[torch.nn.Module], group: Group = None, source: int = 0) -> None:
     r"""
-    Copies every parameter and buffer of ``modules`` from rank ``source`` to every rank (as
-    :class:`~torch.nn.parallel.DistributedDataParallel` does when it wraps a model), so that all ranks start from one
+    Copies every parameter and buffer of ``modules``, and the extra state of their submodules (e.g. the random
+    generator of a mean basis's sampled KL), from rank ``source`` to every rank (as
+    :class:`~torch.nn.parallel.DistributedDataParallel` does for parameters and buffers when it wraps a model), so
+    that all ranks start from one
     state whatever their random initialization, or continue from a checkpoint that only rank ``source`` loaded (the
     optimizers' state is not a module's: load it on every rank). A
     GPyTorch variational strategy that has not initialized its :math:`q(\mathbf u)` yet (GPyTorch does that at the
@@ -57,6 +59,17 @@ def broadcast_state(modules: Iterable[torch.nn.Module], group: Group = None, sou
         communicate(dist.broadcast, "broadcast_state", flat, src=source_rank, group=group)
         for tensor, values in zip(group_tensors, flat.split([t.numel() for t in group_tensors]), strict=True):
             tensor.copy_(values.view(tensor.shape).to(dtype))
+    holders = [
+        submodule
+        for module in modules
+        for submodule in module.modules()
+        if type(submodule).get_extra_state is not torch.nn.Module.get_extra_state
+    ]
+    if holders:
+        states = [holder.get_extra_state() for holder in holders]
+        communicate(dist.broadcast_object_list, "broadcast_state", states, src=source_rank, group=group)
+        for holder, state in zip(holders, states, strict=True):
+            holder.set_extra_state(state)
     for module in modules:
         for strategy in module.modules():
             if hasattr(strategy, "_clear_cache"):

@@ -42,10 +42,11 @@ class GradientAllReduce:
     :class:`~gpytorch_decoupled.optim.OrthogonalMeanNaturalGradient`) then take the union batch's step too.
 
     The parameters and buffers of ``modules`` are broadcast from rank 0 when it is built (as DDP does), so that every
-    rank starts from one state; they then stay equal, because every rank takes the same steps. Stochastic parts of a
-    loss draw from each rank's random generator: seed every rank alike (``torch.manual_seed``) so that a
-    column-sampled KL samples the same rows on every rank (Monte Carlo likelihoods then still draw different samples
-    for different data, unbiased but not bitwise those of one process).
+    rank starts from one state; they then stay equal, because every rank takes the same steps. A column-sampled KL
+    draws its rows from the mean basis's own generator, which is broadcast with the state, so every rank samples the
+    same rows; Monte Carlo likelihoods draw from each rank's global generator (seed every rank alike with
+    ``torch.manual_seed``; they then still draw different samples for different data, unbiased but not bitwise those
+    of one process).
 
     A NaN or inf in any rank's gradient, or an exception inside :meth:`synchronize`, raises the same
     :class:`~gpytorch_decoupled.distributed.DistributedStepError` on every rank before the optimizer is called, so

@@ -144,37 +144,75 @@ class OnlineBasisGrowth:
             generator_state = None if self.generator is None else self.generator.get_state()
             rows = torch.randperm(x.size(-2), generator=self.generator)[: max(num_mean, num_covariance)]
             rows = rows.to(x.device)
-            before = dict(self.model.named_parameters())
             try:
-                self.strategy.grow_bases(
+                self._grow_bases(
                     x[rows[:num_mean]] if num_mean else None, x[rows[:num_covariance]] if num_covariance else None
                 )
             except Exception:
                 if generator_state is not None:  # the failed step draws nothing
                     self.generator.set_state(generator_state)
                 raise
-            replaced = {
-                before[name]: parameter
-                for name, parameter in self.model.named_parameters()
-                if name in before and before[name] is not parameter
-            }
-            for optimizer in self.optimizers:
-                _swap_parameters(optimizer, replaced)
         return BasisGrowth(num_mean, num_covariance)
 
+    def _grow_bases(self, mean_points: Tensor | None, inducing_points: Tensor | None) -> None:
+        """The strategy's ``grow_bases``, with the grown parameters swapped into the optimizers."""
+        before = dict(self.model.named_parameters())
+        self.strategy.grow_bases(mean_points, inducing_points)
+        replaced = {
+            before[name]: parameter
+            for name, parameter in self.model.named_parameters()
+            if name in before and before[name] is not parameter
+        }
+        for optimizer in self.optimizers:
+            _swap_parameters(optimizer, replaced)
+
     def state_dict(self) -> dict[str, Any]:
-        """Whether the median trick is still to be applied and the state of the random generator (if one was given)."""
+        """Whether the median trick is still to be applied, the state of the random generator (if one was given), and
+        the points of the two bases (of the first latent), so that a fresh model can be grown to them on loading."""
         generator = None if self.generator is None else self.generator.get_state()
-        return {"initialize": self.initialize, "generator": generator}
+        return {
+            "initialize": self.initialize,
+            "generator": generator,
+            "mean_points": _shared_points(self.strategy.mean_inducing_points),
+            "inducing_points": _shared_points(self.strategy.inducing_points),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores a :meth:`state_dict` (the generator's state only where this object has a generator)."""
+        r"""
+        Restores a :meth:`state_dict`: the median-trick flag, the generator's state (where this object has a
+        generator), and the sizes of the bases. A model with smaller bases (e.g. freshly built for a resumed run) is
+        grown to the checkpoint's with the checkpoint's points (and the optimizers given to this object follow), so
+        that ``model.load_state_dict(checkpoint)`` then fits; load this state dict first. The median trick is not run
+        again.
+
+        :raises ValueError: If the model's bases are larger than the checkpoint's; nothing is then changed.
+        """
+        grown = []
+        for key, points in (("mean_points", self.strategy.mean_inducing_points), ("inducing_points", None)):
+            points = self.strategy.inducing_points if points is None else points
+            saved = state_dict.get(key)  # absent from checkpoints of version 0.1
+            if saved is None or saved.size(-2) == points.size(-2):
+                grown.append(None)
+            elif saved.size(-2) < points.size(-2):
+                raise ValueError(
+                    f"the checkpoint's {key} are {saved.size(-2)}, but the model has {points.size(-2)} already: load "
+                    "it into a model built as the checkpointed one was (bases cannot shrink)."
+                )
+            else:
+                grown.append(saved[points.size(-2) :].to(points))
+        if any(points is not None for points in grown):
+            self._grow_bases(*grown)
         self.initialize = bool(state_dict["initialize"])
         if self.generator is not None and state_dict["generator"] is not None:
             self.generator.set_state(state_dict["generator"])
 
     def _room(self, points: Tensor, budget: int, x: Tensor) -> int:
         return max(0, min(self.points_per_step, budget - points.size(-2), x.size(-2)))
+
+
+def _shared_points(points: Tensor) -> Tensor:
+    """The points of the first latent (``grow_bases`` adds the same points to every latent)."""
+    return points.detach().reshape(-1, *points.shape[-2:])[0].clone()
 
 
 def _swap_parameters(optimizer: torch.optim.Optimizer, replaced: dict[Tensor, torch.nn.Parameter]) -> None:

@@ -17,8 +17,9 @@ class _DirectVariationalStrategy(VariationalStrategyBase):
     initializes the distribution on the first call and passes its mean and covariance on) does not apply.
 
     ``__call__`` validates the inputs before anything is computed, returns the prior for ``prior=True``, clears the
-    training caches, records the first call as GPyTorch's strategies do (without resetting state set or loaded before
-    it, and without reading the flag back from the device), broadcasts the inputs against the inducing points and calls
+    caches in training (and in eval mode when a parameter or buffer they depend on has changed), records the first call
+    as GPyTorch's strategies do (without resetting state set or loaded before it, and without reading the flag back
+    from the device), broadcasts the inputs against the inducing points and calls
     ``forward(x, inducing_points, diag=..., **kwargs)``. GPyTorch's ``forward`` also takes ``inducing_values`` and
     ``variational_inducing_covar``, the moments of a Gaussian :math:`q(\mathbf u)`, which these strategies do not
     have: theirs hands the inputs to the subclass's ``_predictive_distribution(x, inducing_points, diag, **kwargs)``.
@@ -61,12 +62,18 @@ class _DirectVariationalStrategy(VariationalStrategyBase):
         """``x`` validated against the inducing points (see :func:`~gpytorch_decoupled.variational.checked_inputs`)."""
         return checked_inputs(x, self.inducing_points, self.model, name, dim)
 
+    def _cache_dependencies(self) -> tuple[Module, ...]:
+        """The modules whose parameters and buffers the eval-mode caches are computed from."""
+        return (self.model,)
+
     def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
         x = self.checked_inputs(x)
         if prior:
             return self.model.forward(x, **kwargs)
         if self.training:
             self._clear_cache()
+        else:
+            self._clear_cache_if_stale(*self._cache_dependencies(), ignore=(self.variational_params_initialized,))
         self.variational_params_initialized.fill_(1)
         inducing_points = self.inducing_points
         if inducing_points.shape[:-2] != x.shape[:-2]:

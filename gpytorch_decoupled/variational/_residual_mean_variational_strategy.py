@@ -277,7 +277,11 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
         return MultivariateNormal(mean + data_values, covariance)
 
     def __call__(self, x: Tensor, prior: bool = False, diag: bool = True, **kwargs) -> MultivariateNormal:
-        return super().__call__(checked_inputs(x, self.inducing_points, self.model), prior=prior, diag=diag, **kwargs)
+        x = checked_inputs(x, self.inducing_points, self.model)
+        if not self.training:
+            # GPyTorch keeps its eval-mode factors whatever happens to the hyperparameters; these do not go stale.
+            self._clear_cache_if_stale(self.model)
+        return super().__call__(x, prior=prior, diag=diag, **kwargs)
 
     # ------------------------------------------------------------------ growth
     @torch.no_grad()

@@ -274,6 +274,10 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         \mathbf K_{\mathbf{uu}}` (float64, the state's own buffers: read them, do not change them in place)."""
         return KalmanStatistics(*self._variational_distribution())
 
+    def _cache_dependencies(self) -> tuple[torch.nn.Module, ...]:
+        # predictions read the likelihood's noise as well (through the state's update terms)
+        return (self.model,) if self.likelihood is None else (self.model, self.likelihood)
+
     def reset(self) -> None:
         """Forgets all data: back to the prior (at the current hyperparameters)."""
         self._variational_distribution.reset()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
 import torch
@@ -86,8 +87,12 @@ class MeanBasis(Module):
     ``importance_sampling``, the rows and their values in ``sampled_rows`` for the strategy's estimate; None outside a
     training step, they are forgotten with GPyTorch's caches (the strategy's training call, ``train()``/``eval()``,
     ``load_state_dict``, ``.to()``; :func:`~gpytorch_decoupled.gpytorch_compat.cache_safe`). The rows are drawn from
-    the attribute ``generator`` (a :class:`torch.Generator` on the basis's device; None, the default, draws from
-    PyTorch's global generator).
+    the module's own random generator, the attribute ``generator`` (a :class:`torch.Generator` on the basis's device),
+    not from PyTorch's global one: unless set, it is seeded from the global generator at the first draw (so
+    ``torch.manual_seed`` before training makes a run reproducible, as with GPyTorch), and from then on its state is
+    part of the ``state_dict``, so a run resumed from a checkpoint draws the same rows as the uninterrupted one whatever
+    the global generator does. On another device (``.to()``, or a checkpoint from another device) it is seeded
+    deterministically from its former state.
 
     Inducing points may be wider than the data when a kernel of the model declares ``basis_parameter_dims``: their
     trailing columns then hold per-basis kernel parameters (e.g. the log length-scale multipliers of
@@ -182,7 +187,8 @@ class MeanBasis(Module):
         self.kl_block_size = kl_block_size
         self.exact_kl_size = exact_kl_size
         self.importance_sampling = importance_sampling
-        self.generator: torch.Generator | None = None
+        self.generator: torch.Generator | None = None  # seeded at the first draw (see device_generator)
+        self.register_load_state_dict_pre_hook(_keep_generator_state_if_absent)
         if coefficient_source is None:
             coefficients = torch.randn(*batch_shape, points.size(-2), dtype=points.dtype)
             self.register_parameter("coefficients", torch.nn.Parameter(coefficients.mul_(init_std).to(points)))
@@ -234,12 +240,49 @@ class MeanBasis(Module):
         if self.exact_quadratic_form():
             return None
         if self.importance_sampling:
-            return coefficient_proportional_rows(coefficients, self.num_kl_columns, self.generator)
+            return coefficient_proportional_rows(coefficients, self.num_kl_columns, self.device_generator())
         return self._uniform_rows(), None
 
     def _uniform_rows(self) -> Tensor:
         num_points, device = self.inducing_points.size(-2), self.inducing_points.device
-        return torch.randperm(num_points, generator=self.generator, device=device)[: self.num_kl_columns]
+        generator = self.device_generator()
+        rows = torch.randperm(num_points, generator=generator, device=generator.device)[: self.num_kl_columns]
+        return rows.to(device)
+
+    # ------------------------------------------------------------------ the random generator
+    def device_generator(self) -> torch.Generator:
+        """:attr:`generator`, seeded from PyTorch's global generator if it has not been seeded yet, and moved to the
+        device of the points if they have moved (seeded deterministically from its state there: the states of
+        generators of different kinds of device are not interchangeable)."""
+        device = _generator_device(self.inducing_points.device)
+        if self.generator is None:
+            self.generator = _generator_on(device, int(torch.randint(2**62, (), dtype=torch.int64)))
+        elif self.generator.device != device:
+            self.generator = _generator_on(device, _seed_from(self.generator.get_state()))
+        return self.generator
+
+    def get_extra_state(self) -> Tensor:
+        """The state of :attr:`generator` (a CPU byte tensor; empty before the first draw), saved with the
+        parameters."""
+        if self.generator is None:
+            return torch.zeros(0, dtype=torch.uint8)
+        return self.generator.get_state()
+
+    def set_extra_state(self, state: Tensor) -> None:
+        """Restores the state of :attr:`generator`; a state saved from a generator of another kind of device seeds it
+        deterministically instead, and an empty one leaves it to be seeded at the first draw."""
+        if not isinstance(state, Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+            raise TypeError(f"the mean basis's generator state must be a 1-D byte tensor, got {state!r:.80}.")
+        state = state.cpu()
+        if state.numel() == 0:
+            self.generator = None
+            return
+        device = _generator_device(self.inducing_points.device)
+        generator = self.generator if self.generator is not None else torch.Generator(device=device)
+        if state.shape == generator.get_state().shape:
+            self.generator = generator.set_state(state)
+        else:
+            self.generator = _generator_on(device, _seed_from(state))
 
     def fused_values(self, x: Tensor, model_rows: list[Tensor], coefficients: Tensor, **kwargs) -> MeanBasisValues:
         r"""
@@ -316,3 +359,24 @@ class MeanBasis(Module):
             replace_tensor(self, "coefficients", torch.cat([coefficients, padding], dim=-1))
         else:
             replace_tensor(self._coefficient_source, "mean_coefficients", torch.cat([coefficients, padding], dim=-1))
+
+
+def _generator_device(device: torch.device) -> torch.device:
+    """Where a generator for draws on ``device`` (a tensor's, so with its index) lives: there, or on the CPU for a
+    device without generators (``meta``)."""
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def _generator_on(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=_generator_device(device)).manual_seed(seed)
+
+
+def _seed_from(state: Tensor) -> int:
+    """A seed determined by a generator's state (of any device)."""
+    digest = hashlib.blake2b(state.cpu().numpy().tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _keep_generator_state_if_absent(module: MeanBasis, state_dict, prefix, *args) -> None:
+    """Checkpoints saved before the generator was part of the state load with the generator as it is."""
+    state_dict.setdefault(prefix + "_extra_state", module.get_extra_state())

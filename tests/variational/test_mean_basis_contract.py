@@ -131,12 +131,14 @@ OLD_STRATEGY_KEYS["orthogonal"] = OLD_STRATEGY_KEYS["hybrid"]
 
 def _old_format(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict as release 0.1.0 saved it: the mean basis's tensors directly on the strategy, and GPyTorch's
-    whitening flag on the hybrid and orthogonal strategies."""
+    whitening flag on the hybrid and orthogonal strategies, and no state of the mean basis's random generator (which
+    then loads as it is)."""
     renamed = {
         name.replace("mean_basis.inducing_points", "mean_inducing_points").replace(
             "mean_basis.coefficients", "mean_coefficients"
         ): value
         for name, value in state.items()
+        if not name.endswith("mean_basis._extra_state")
     }
     if "variational_strategy.mean_coefficients" in renamed:
         renamed["variational_strategy.updated_strategy"] = torch.tensor(True)
