@@ -119,18 +119,23 @@ class StrategyContractTestCase(VariationalTestCase):
         self.assertAllClose(first[1], second[1], rtol=rtol, atol=atol)
 
     def _wrapped_model(self, wrapper: str):
-        """The test model with its strategy batched over tasks/latents and wrapped in our IMT or LMC wrapper."""
-        size = self.num_tasks if wrapper == "imt" else self.num_latents
+        """The test model with its strategy batched over tasks/latents and wrapped in the package's IMT or LMC wrapper
+        (``"imt"``, ``"lmc"``) or in GPyTorch's own (``"gpytorch-imt"``, ``"gpytorch-lmc"``)."""
+        size = self.num_tasks if wrapper.endswith("imt") else self.num_latents
         model, _ = self._make_model_and_likelihood(
             batch_shape=torch.Size([size]), distribution_cls=self.distribution_cls, strategy_cls=self.strategy_cls
         )
         base = model.variational_strategy
-        if wrapper == "imt":
-            model.variational_strategy = IndependentMultitaskVariationalStrategy(base, num_tasks=self.num_tasks)
-        else:
-            model.variational_strategy = LMCVariationalStrategy(
-                base, num_tasks=self.num_tasks, num_latents=self.num_latents
+        imt, lmc = IndependentMultitaskVariationalStrategy, LMCVariationalStrategy
+        if wrapper.startswith("gpytorch-"):
+            imt, lmc = (
+                gpytorch.variational.IndependentMultitaskVariationalStrategy,
+                gpytorch.variational.LMCVariationalStrategy,
             )
+        if wrapper.endswith("imt"):
+            model.variational_strategy = imt(base, num_tasks=self.num_tasks)
+        else:
+            model.variational_strategy = lmc(base, num_tasks=self.num_tasks, num_latents=self.num_latents)
         likelihood = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=self.num_tasks)
         return model, likelihood
 
@@ -229,3 +234,11 @@ class StrategyContractTestCase(VariationalTestCase):
 
     def test_lmc_wrapping_uses_strategy_kl(self):
         self._check_wrapped_kl("lmc", reduce_dim=-1)
+
+    # GPyTorch's wrappers compute the KL from the base's variational and prior distributions; the package's strategies
+    # make that the strategy's own KL (it used to be silently wrong: 34.3 instead of 71.6 for ODVGP under LMC).
+    def test_gpytorch_independent_multitask_wrapper_gets_strategy_kl(self):
+        self._check_wrapped_kl("gpytorch-imt", reduce_dim=-1)
+
+    def test_gpytorch_lmc_wrapper_gets_strategy_kl(self):
+        self._check_wrapped_kl("gpytorch-lmc", reduce_dim=-1)

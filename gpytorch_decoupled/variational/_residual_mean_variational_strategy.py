@@ -3,6 +3,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from gpytorch import settings
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.models import ApproximateGP
 from gpytorch.settings import trace_mode
@@ -16,6 +17,7 @@ from linear_operator.operators import (
     TriangularLinearOperator,
 )
 from torch import Tensor
+from torch.distributions.kl import kl_divergence
 
 from ..gpytorch_compat import (
     VariationalDistributionBase,
@@ -26,6 +28,7 @@ from ..gpytorch_compat import (
 )
 from ..linalg import jittered_cholesky, landmark_controlled_estimate, landmark_quadratic_form, symmetrized
 from ._replace_tensor import replace_tensor
+from ._strategy_multivariate_normal import _StrategyMultivariateNormal
 from .checked_inputs import checked_basis_points, checked_inputs
 from .joint_prior import JointPrior, joint_prior
 from .mean_basis import EXACT_KL_SIZE, MeanBasis, MeanBasisAttribute, SampledRows, load_renamed_keys
@@ -160,6 +163,20 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
         distribution = self._variational_distribution
         zeros = torch.zeros(distribution.shape(), dtype=distribution.dtype, device=distribution.device)
         return MultivariateNormal(zeros, DiagLinearOperator(torch.ones_like(zeros)))
+
+    @property
+    @cached(name="variational_distribution_memo")
+    def variational_distribution(self) -> MultivariateNormal:
+        r"""The distribution's :math:`q(\mathbf v)` of the whitened :math:`\beta` block; its divergence from
+        :attr:`prior_distribution` is the strategy's whole KL (also under GPyTorch's multitask wrappers)."""
+        return _StrategyMultivariateNormal.of(self._variational_distribution(), self)
+
+    def _block_kl_divergence(self) -> Tensor:
+        r""":math:`\mathrm{KL}[q(\mathbf v) \Vert \mathcal N(\mathbf 0, \mathbf I)]` of the whitened :math:`\beta`
+        block alone, by the distribution's own rule (GPyTorch's, or the fast one of a natural distribution)."""
+        q = self.variational_distribution
+        with settings.max_preconditioner_size(0):
+            return kl_divergence(getattr(q, "base_distribution", q), self.prior_distribution)
 
     def _cholesky_factor(self, covariance: LinearOperator) -> LinearOperator:
         """GPyTorch's factor of :math:`\\mathbf K_\\beta` plus jitter (``covariance``), memoized for the step (training)

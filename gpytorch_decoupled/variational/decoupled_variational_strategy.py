@@ -12,6 +12,7 @@ from torch import Tensor
 from ..linalg import jittered_cholesky, solve_lower, whitened_kl
 from ._direct_variational_strategy import _DirectVariationalStrategy
 from ._replace_tensor import replace_tensor
+from ._strategy_multivariate_normal import _StrategyMultivariateNormal
 from .checked_inputs import checked_basis_points
 from .decoupled_variational_distribution import DecoupledVariationalDistribution
 from .joint_prior import joint_prior
@@ -169,7 +170,7 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
     @cached(name="mean_coefficients_memo")
     def mean_coefficients(self) -> Tensor:
         r""":math:`\mathbf a`, ``(..., M_alpha)`` (computed once per training step)."""
-        coefficients = self.variational_distribution.mean_coefficients
+        coefficients = self._variational_distribution().mean_coefficients
         if self.jacobi_preconditioning:
             coefficients = coefficients / self._prior_variances(self.mean_inducing_points)
         return coefficients
@@ -178,7 +179,7 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
     @cached(name="precision_factor_memo")
     def precision_factor(self) -> Tensor:
         r""":math:`\mathbf L_B`, ``(..., M_beta, M_beta)`` lower triangular (computed once per training step)."""
-        factor = self.variational_distribution.precision_factor
+        factor = self._variational_distribution().precision_factor
         if self.jacobi_preconditioning:
             factor = factor / self._prior_variances(self.inducing_points).unsqueeze(-1)
         return factor
@@ -188,6 +189,23 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
     def prior_distribution(self) -> MultivariateNormal:
         r"""The prior :math:`p(f(\beta)) = \mathcal N(\mu_0(\beta), \mathbf K_\beta)` at the covariance basis."""
         return self.model.forward(self.inducing_points)
+
+    @property
+    @cached(name="variational_distribution_memo")
+    def variational_distribution(self) -> MultivariateNormal:
+        r"""
+        The process at the covariance basis, :math:`q(f(\beta)) = \mathcal N(\mu_0(\beta) + \mathbf K_{\beta\alpha}
+        \mathbf a,\; \mathbf K_\beta - \mathbf K_\beta\mathbf L_B\mathbf H^{-1}\mathbf L_B^\top\mathbf K_\beta)`, whose
+        divergence from :attr:`prior_distribution` is the strategy's KL of the whole process (also under GPyTorch's
+        multitask wrappers, which compute the KL from these two distributions). The parameters themselves are the
+        distribution's (``strategy._variational_distribution()``).
+        """
+        prior = self.prior_distribution
+        beta_covariance = prior.lazy_covariance_matrix.to_dense()
+        chol = self._inner_cholesky(beta_covariance)
+        reduction = solve_lower(chol.to(beta_covariance.dtype), self.precision_factor.mT @ beta_covariance)
+        mean = prior.mean + self.mean_basis.values(self.inducing_points, self.mean_coefficients)
+        return _StrategyMultivariateNormal(mean, beta_covariance - reduction.mT @ reduction, strategy=self)
 
     def _inner_cholesky(self, beta_covariance: Tensor) -> Tensor:
         r"""

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower, whitened_kl
 from ._direct_variational_strategy import _DirectVariationalStrategy
+from ._strategy_multivariate_normal import _StrategyMultivariateNormal
 from .dual_variational_distribution import DualVariationalDistribution
 from .joint_prior import joint_prior
 
@@ -228,7 +229,7 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
         prior_chol, _, inner_chol, _, whitened_mean = self.posterior_factors()
         mean = (prior_chol @ whitened_mean.unsqueeze(-1)).squeeze(-1)
         root = solve_lower(inner_chol, prior_chol.mT).mT  # L_K H^{-T/2}
-        return MultivariateNormal(mean, RootLinearOperator(root))
+        return _StrategyMultivariateNormal(mean, RootLinearOperator(root), strategy=self)
 
     def site_summaries(self) -> tuple[Tensor, Tensor]:
         r"""

@@ -97,4 +97,4 @@ class HybridVariationalStrategy(_ResidualMeanVariationalStrategy):
     def kl_divergence(self) -> Tensor:
         whitened_mean = self.variational_distribution.mean
         cross = (whitened_mean * self.residual_coordinates()).sum(-1)
-        return super().kl_divergence() + cross + 0.5 * self.mean_basis_quadratic_form()
+        return self._block_kl_divergence() + cross + 0.5 * self.mean_basis_quadratic_form()

@@ -22,6 +22,7 @@ from ._kalman_terms import (
     collapsed_bound_tail,
     observation_terms,
 )
+from ._strategy_multivariate_normal import _StrategyMultivariateNormal
 from .joint_prior import JointPrior, joint_prior
 from .kalman_variational_distribution import KalmanVariationalDistribution
 
@@ -511,7 +512,7 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         mean = prior_mean + (inducing_covariance @ coefficients.unsqueeze(-1)).squeeze(-1)
         root = solve_lower(cholesky, inducing_covariance)
         dtype = self.inducing_points.dtype
-        return MultivariateNormal(mean.to(dtype), symmetrized(root.mT @ root).to(dtype))
+        return _StrategyMultivariateNormal(mean.to(dtype), symmetrized(root.mT @ root).to(dtype), strategy=self)
 
     def kl_divergence(self) -> Tensor:
         r"""

@@ -139,4 +139,4 @@ class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy)
         return self.residual_quadratic_form(indices)
 
     def kl_divergence(self) -> Tensor:
-        return super().kl_divergence() + 0.5 * self.mean_quadratic_form()
+        return self._block_kl_divergence() + 0.5 * self.mean_quadratic_form()

@@ -128,12 +128,15 @@ class TestDualObjectiveContract(TestDualContract):
     def mll_cls(self):
         return DualVariationalELBO
 
-    def test_lmc_wrapping_uses_strategy_kl(self):
+    def test_lmc_wrapping_uses_strategy_kl(self, wrapper="lmc"):
         # Mixed latents have no per-latent E-step, so the t-SVGP objective refuses an LMC wrapper (the plain
         # VariationalELBO contract above covers the strategy inside LMC).
-        model, likelihood = self._wrapped_model("lmc")
+        model, likelihood = self._wrapped_model(wrapper)
         with self.assertRaisesRegex(TypeError, "DualVariationalELBO needs"):
             self.mll_cls(likelihood, model, num_data=32)
+
+    def test_gpytorch_lmc_wrapper_gets_strategy_kl(self):
+        self.test_lmc_wrapping_uses_strategy_kl("gpytorch-lmc")
 
 
 # ------------------------------------------------------------------------------------------ state and copies
