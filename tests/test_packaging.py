@@ -115,7 +115,7 @@ def test_wheel_ships_every_module_and_the_embedded_data_and_nothing_else(wheel):
 def test_wheel_requires_the_runtime_dependencies_only_and_offers_the_rest_as_extras(wheel):
     metadata = _metadata(wheel)
     assert {canonicalize_name(r.name) for r in _requirements(metadata.get_all("Requires-Dist"))} == RUNTIME_REQUIREMENTS
-    assert {"bench", "data", "notebooks", "dev"} <= set(metadata.get_all("Provides-Extra"))
+    assert {"bench", "data", "notebooks", "dev", "botorch"} <= set(metadata.get_all("Provides-Extra"))
 
     def extra(name: str) -> set[str]:
         return {
@@ -124,6 +124,7 @@ def test_wheel_requires_the_runtime_dependencies_only_and_offers_the_rest_as_ext
 
     assert {"matplotlib", "scikit-learn"} <= extra("bench") <= extra("dev")
     assert extra("data") == {"pooch"} and extra("data") <= extra("dev")
+    assert extra("botorch") == {"botorch"} and extra("botorch") <= extra("dev")
     assert extra("notebooks") - {"jupyter"} <= extra("dev")  # the notebooks run headless in `make test`
 
 
@@ -133,8 +134,14 @@ PROBE = """
 import importlib, importlib.metadata, json, pkgutil
 import gpytorch_decoupled
 modules = [info.name for info in pkgutil.walk_packages(gpytorch_decoupled.__path__, "gpytorch_decoupled.")]
+optional = []
 for name in modules:
-    importlib.import_module(name)
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as error:  # a module of an optional extra must say how to get it
+        if 'pip install "gpytorch_decoupled[' not in str(error):
+            raise
+        optional.append(name)
 importable = []
 for name in NOT_NEEDED:
     try:
@@ -143,7 +150,8 @@ for name in NOT_NEEDED:
     except ModuleNotFoundError:
         pass
 distributions = sorted({distribution.metadata["Name"] for distribution in importlib.metadata.distributions()})
-print(json.dumps({"file": gpytorch_decoupled.__file__, "modules": modules, "importable": importable,
+print(json.dumps({"file": gpytorch_decoupled.__file__, "modules": modules, "optional": optional,
+                  "importable": importable,
                   "distributions": distributions}))
 """
 #: One thread: the tiny runs gain nothing from more, and where the cores are shared OpenMP's waiting threads slow them
@@ -165,7 +173,10 @@ def test_installed_wheel_imports_every_module_and_runs_the_demo_with_the_runtime
     assert Path(report["file"]).is_relative_to(clean_python.parents[1])  # the installed copy, not this checkout
     package = Path(gpytorch_decoupled.__file__).parent
     modules = {".".join(path.relative_to(package.parent).with_suffix("").parts) for path in package.rglob("*.py")}
-    assert set(report["modules"]) == {name.removesuffix(".__init__") for name in modules} - {"gpytorch_decoupled"}
+    modules = {name.removesuffix(".__init__") for name in modules} - {"gpytorch_decoupled"}
+    # The BoTorch subpackage (the botorch extra) says how to get BoTorch; its modules are not reached without it.
+    assert report["optional"] == ["gpytorch_decoupled.botorch"]
+    assert set(report["modules"]) == {name for name in modules if not name.startswith("gpytorch_decoupled.botorch.")}
     assert report["importable"] == []
     seen = {canonicalize_name(name) for name in report["distributions"]}
     assert seen == set(_runtime_closure(wheel)) | {"gpytorch-decoupled"}

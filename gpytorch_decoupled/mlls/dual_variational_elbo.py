@@ -42,6 +42,7 @@ class DualVariationalELBO(VariationalELBO):
     Example:
         >>> import gpytorch, torch
         >>> from gpytorch_decoupled.mlls import DualVariationalELBO
+        >>> from gpytorch_decoupled.optim import DualEStep
         >>> from gpytorch_decoupled.variational import DualVariationalDistribution, DualVariationalStrategy
         >>> class DualGP(gpytorch.models.ApproximateGP):
         ...     def __init__(self, inducing_points):
@@ -54,10 +55,13 @@ class DualVariationalELBO(VariationalELBO):
         >>> model, likelihood = DualGP(torch.randn(10, 1)), gpytorch.likelihoods.GaussianLikelihood()
         >>> objective = DualVariationalELBO(likelihood, model, num_data=100)
         >>> x, y = torch.randn(100, 1), torch.randn(100)
-        >>> loss = -objective(model(x), y)
-        >>> loss.backward()
         >>> objective.site_log_normalizer()  # log Z = 0 while the sites are zero (q is the prior)
         tensor(0., grad_fn=<DivBackward0>)
+        >>> DualEStep(model, likelihood, num_data=100).step(x, y)  # the E-step sets the sites (t-SVGP, Algorithm 2)
+        >>> loss = -objective(model(x), y)  # the M-step objective; at the prior this would raise a RuntimeError
+        >>> loss.backward()
+        >>> bool(objective.site_log_normalizer() != 0)
+        True
 
     .. _Adam et al. (2021):
         https://arxiv.org/abs/2111.03412

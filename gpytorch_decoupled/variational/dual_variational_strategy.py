@@ -79,6 +79,12 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
     :math:`\tilde{\mathcal L}(\theta)` of `Adam et al. (2021)`_, App. B, eqs. 39-41 (:ref:`derivations-tsvgp-m-step`);
     its value and gradient equal those of the ELBO with :math:`q` held fixed at a converged E-step.
 
+    **Training loops.** The sites start at zero (:math:`q` is the prior) and move only through the E-step, never by
+    gradients: a second training forward pass with gradients while every site is still zero (no E-step after the
+    first) raises a ``RuntimeError`` that names the call to add (``DualEStep(...).step(x_batch, y_batch)`` after
+    ``loss.backward()``), rather than fitting the hyperparameters to the prior. With BoTorch,
+    :class:`~gpytorch_decoupled.botorch.SingleTaskVariationalGP` and ``fit_gpytorch_mll`` run the E-steps.
+
     The factors of :math:`q` (:meth:`posterior_factors`) are kept in the attribute ``_posterior_factors`` from their
     first use in a training step to the step's KL, and in eval mode across predictions; like GPyTorch's caches they are
     dropped on every training call, ``train()``/``eval()``, ``load_state_dict`` and ``.to()``. A training forward pass
@@ -129,6 +135,8 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
         https://arxiv.org/abs/2111.03412
     """
 
+    #: Whether the last training forward pass was at the prior (a second one without an E-step in between raises).
+    _trained_at_prior: bool = False
     _step_attributes = ("_posterior_factors", "_batch_statistics")
     _posterior_factors: DualPosteriorFactors | None = None
     _batch_statistics: tuple[Tensor, dict[str, Tensor], DualSiteStatistics] | None = None
@@ -310,6 +318,13 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
 
     def _predictive_distribution(self, x: Tensor, inducing_points: Tensor, diag: bool, **kwargs) -> MultivariateNormal:
         r""":math:`q(f(\mathbf x))` of eq. 49, from the whitened factors of :math:`q` (:meth:`_marginals`)."""
+        if self.training and torch.is_grad_enabled():
+            # One training pass at the prior is t-SVGP's default schedule (its E-step follows the backward pass); a
+            # second one with no E-step in between is a loop that never moves q.
+            at_prior = self.at_prior()
+            if at_prior and self._trained_at_prior:
+                raise RuntimeError(_PRIOR_IN_TRAINING)
+            self._trained_at_prior = at_prior
         factors, prior_mean, data_covariance, whitened_cross, reduced_cross = self._marginals(x, **kwargs)
         centred_mean = (whitened_cross * factors.whitened_mean.unsqueeze(-1)).sum(-2)
         mean = prior_mean + centred_mean
@@ -347,6 +362,11 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
             and torch.equal(value, current[name])
             for name, value in snapshot.items()
         )
+
+    def at_prior(self) -> bool:
+        r"""Whether every site is zero, so that :math:`q(\mathbf u)` is the prior: as built, or after
+        :meth:`~gpytorch_decoupled.variational.DualVariationalDistribution.reset_sites`."""
+        return not any(bool(site.any()) for site in self._variational_distribution())
 
     @torch.no_grad()
     def site_statistics(self, x: Tensor, factors: DualPosteriorFactors | None = None) -> DualSiteStatistics:
@@ -397,3 +417,12 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
 
 def _marginal_variances(data_covariance, whitened_cross: Tensor, reduced_cross: Tensor) -> Tensor:
     return data_covariance.diagonal(dim1=-2, dim2=-1) - whitened_cross.pow(2).sum(-2) + reduced_cross.pow(2).sum(-2)
+
+
+_PRIOR_IN_TRAINING = (
+    "DualVariationalStrategy: q(u) is still the prior (every site is zero) at a second training step, and gradient "
+    "steps do not change it: its sites move only through the closed-form E-step. Create e_step = "
+    "gpytorch_decoupled.optim.DualEStep(model, likelihood, num_data) before the loop and call "
+    "e_step.step(x_batch, y_batch) in it, after loss.backward() and before optimizer.step() (t-SVGP's algorithm), or "
+    "fit with BoTorch's fit_gpytorch_mll and gpytorch_decoupled.botorch.SingleTaskVariationalGP."
+)

@@ -80,6 +80,7 @@ def test_on_one_rank_the_gradients_are_the_single_process_ones(group_of_one):
     Z, X, y = dual_problems.problem(0)
     model, likelihood = dual_problems.DualGP(Z), gaussian_likelihood()
     gradients = GradientAllReduce(model, likelihood)
+    DualEStep(model, likelihood, num_data=60).step(X, y)  # sites away from the prior, as in training
     objective = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=60)
     (-objective(model(X[:20]), y[:20])).backward()
     expected = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
