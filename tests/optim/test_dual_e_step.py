@@ -279,6 +279,7 @@ def test_labels_the_bernoulli_likelihood_does_not_take_are_refused(labels: list[
     e_step = DualEStep(model, likelihood, num_data=X.size(0), lr=0.5)
     objective = DualVariationalELBO(likelihood, model, num_data=X.size(0))
     bad = torch.tensor(labels, dtype=F64).repeat(X.size(0))[: X.size(0)]
+    e_step.step(X, binary_labels(y))  # sites away from the prior: a training forward pass at the prior raises
     output = model(X)  # the first call records itself
     state = state_snapshot(model)
     with pytest.raises(ValueError, match="y has values .* BernoulliLikelihood takes labels in|y contains NaN"):
