@@ -117,7 +117,9 @@ class _CompiledCholeskyFactor(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
-        ctx.save_for_backward(inputs[1])
+        # The output, not the detached factor: the backward's operations on it are then recorded under
+        # ``create_graph=True``, so second derivatives (Hessians, double backward) flow through L(A) as well.
+        ctx.save_for_backward(output)
 
     @staticmethod
     def backward(ctx, grad_L: Tensor) -> tuple[Tensor, None]:
@@ -137,7 +139,7 @@ class _CholeskyFactor(_CompiledCholeskyFactor):
 
     @staticmethod
     def setup_context(ctx, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
-        ctx.save_for_backward(inputs[1])
+        _CompiledCholeskyFactor.setup_context(ctx, inputs, output)
         ctx.factor = inputs[1]  # forward mode has no saved tensors
 
     @staticmethod

@@ -223,3 +223,21 @@ def test_derivatives_are_those_of_torch_cholesky() -> None:
     assert single.grad.dtype == torch.float32
     relative = (single.grad.double() - theirs.grad).abs().max() / theirs.grad.abs().max()
     assert relative < 1e-5
+
+
+def test_second_derivatives_are_those_of_torch_cholesky() -> None:
+    # Hessians (double backward) flow through the factor as through torch.linalg.cholesky: the dual family's Hessian
+    # identities differentiate twice through jittered_cholesky.
+    A = _spd(5, torch.float64)[0]
+    weights = torch.randn(5, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def objective(cholesky):
+        return lambda a: (cholesky(0.5 * (a + a.mT)) * weights).sum() ** 2
+
+    ours = torch.autograd.functional.hessian(objective(jittered_cholesky), A)
+    theirs = torch.autograd.functional.hessian(objective(torch.linalg.cholesky), A)
+    assert theirs.abs().max() > 1e-3
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradgradcheck(
+        lambda a: jittered_cholesky(0.5 * (a + a.mT)), (A.clone().requires_grad_(True),)
+    )
