@@ -4,7 +4,36 @@
 from __future__ import annotations
 
 
-class kernel_tile_size:
+class _IntegerSetting:
+    """An integer setting read through ``value()`` and changed for a ``with`` block (nested blocks restore in order),
+    as GPyTorch's settings are; subclasses give the default ``_global_value`` and the smallest allowed ``_minimum``."""
+
+    _global_value: int
+    _minimum: int
+
+    @classmethod
+    def value(cls) -> int:
+        """The current value."""
+        return cls._global_value
+
+    def __init__(self, value: int):
+        if isinstance(value, bool) or not isinstance(value, int) or value < self._minimum:
+            kind = "positive" if self._minimum == 1 else "non-negative"
+            raise ValueError(f"{type(self).__name__} must be a {kind} integer, got {value!r}.")
+        self._value = value
+        self._previous: list[int] = []
+
+    def __enter__(self) -> _IntegerSetting:
+        self._previous.append(type(self)._global_value)
+        type(self)._global_value = self._value
+        return self
+
+    def __exit__(self, *args) -> bool:
+        type(self)._global_value = self._previous.pop()
+        return False
+
+
+class kernel_tile_size(_IntegerSetting):
     r"""
     The number of kernel entries the fused kernel products (:func:`~gpytorch_decoupled.linalg.kernel_matvec`,
     :func:`~gpytorch_decoupled.linalg.kernel_quadratic_form`) evaluate at once. A block :math:`\mathbf K` with
@@ -32,29 +61,10 @@ class kernel_tile_size:
     """
 
     _global_value: int = 2**18
-
-    @classmethod
-    def value(cls) -> int:
-        """The current number of entries per tile."""
-        return cls._global_value
-
-    def __init__(self, value: int):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"kernel_tile_size must be a positive integer, got {value!r}.")
-        self._value = value
-        self._previous: list[int] = []
-
-    def __enter__(self) -> kernel_tile_size:
-        self._previous.append(type(self)._global_value)
-        type(self)._global_value = self._value
-        return self
-
-    def __exit__(self, *args) -> bool:
-        type(self)._global_value = self._previous.pop()
-        return False
+    _minimum = 1
 
 
-class kernel_keep_size:
+class kernel_keep_size(_IntegerSetting):
     r"""
     The largest kernel block (in entries, all batch dimensions together) that
     :func:`~gpytorch_decoupled.linalg.kernel_matvec` keeps from its forward pass for its backward pass. A larger block
@@ -82,23 +92,4 @@ class kernel_keep_size:
     """
 
     _global_value: int = 2**23
-
-    @classmethod
-    def value(cls) -> int:
-        """The current number of entries."""
-        return cls._global_value
-
-    def __init__(self, value: int):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"kernel_keep_size must be a non-negative integer, got {value!r}.")
-        self._value = value
-        self._previous: list[int] = []
-
-    def __enter__(self) -> kernel_keep_size:
-        self._previous.append(type(self)._global_value)
-        type(self)._global_value = self._value
-        return self
-
-    def __exit__(self, *args) -> bool:
-        type(self)._global_value = self._previous.pop()
-        return False
+    _minimum = 0
