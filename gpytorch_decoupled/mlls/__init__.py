@@ -1,7 +1,19 @@
 """Training objectives for the strategies of this package, in the style of :mod:`gpytorch.mlls`: the M-step ELBO of
-t-SVGP and the exact streaming gradient of the Kalman strategy's collapsed bound."""
+t-SVGP, the exact streaming gradient of the Kalman strategy's collapsed bound, and GPyTorch's approximate objectives
+with their targets checked before they are read (drop-in replacements: same arguments, same values)."""
 
 from .dual_variational_elbo import DualVariationalELBO
+from .gamma_robust_variational_elbo import GammaRobustVariationalELBO
+from .predictive_log_likelihood import PredictiveLogLikelihood
 from .streaming_collapsed_bound import Batches, CollapsedBoundStatistics, StreamingCollapsedBound
+from .variational_elbo import VariationalELBO
 
-__all__ = ["Batches", "CollapsedBoundStatistics", "DualVariationalELBO", "StreamingCollapsedBound"]
+__all__ = [
+    "Batches",
+    "CollapsedBoundStatistics",
+    "DualVariationalELBO",
+    "GammaRobustVariationalELBO",
+    "PredictiveLogLikelihood",
+    "StreamingCollapsedBound",
+    "VariationalELBO",
+]

@@ -1,12 +1,9 @@
 from __future__ import annotations
 
-from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
-from gpytorch.likelihoods import SoftmaxLikelihood
-from gpytorch.mlls import VariationalELBO
 from torch import Tensor
 
-from ..validation import check_targets
 from ..variational import DualVariationalStrategy
+from .variational_elbo import VariationalELBO
 
 
 class DualVariationalELBO(VariationalELBO):
@@ -30,8 +27,9 @@ class DualVariationalELBO(VariationalELBO):
     sites (variant C, an exact upper envelope of the fixed-:math:`q` ELBO for conjugate kernel learning).
 
     Maximize it with any torch optimizer over the hyperparameters and inducing inputs; the sites are buffers and get
-    no gradient. For the standard M-step of q-SVGP, use :class:`~gpytorch.mlls.VariationalELBO` with a GPyTorch
-    strategy, as the benchmarks do.
+    no gradient. The targets are checked before they are read, as by
+    :class:`~gpytorch_decoupled.mlls.VariationalELBO`. For the standard M-step of q-SVGP, use
+    :class:`~gpytorch.mlls.VariationalELBO` with a GPyTorch strategy, as the benchmarks do.
 
     :param likelihood: The likelihood of the model.
     :param model: A model with a :class:`~gpytorch_decoupled.variational.DualVariationalStrategy` (optionally inside an
@@ -71,32 +69,6 @@ class DualVariationalELBO(VariationalELBO):
         strategy, _ = DualVariationalStrategy.of_model(model, "DualVariationalELBO")
         super().__init__(likelihood, model, num_data=num_data, beta=beta)
         self.dual_strategy = strategy
-
-    def forward(self, approximate_dist_f: MultivariateNormal, target: Tensor, **kwargs) -> Tensor:
-        r"""
-        The objective at the model's output ``approximate_dist_f`` (``model(x)``) and the targets, as
-        :class:`~gpytorch.mlls.VariationalELBO`.
-
-        :raises TypeError: If ``target`` is not a tensor.
-        :raises ValueError: If ``target`` does not have the output's shape (``(B,)``, or ``(B, T)`` for T tasks; class
-            labels ``(B,)`` for a softmax likelihood), device or dtype, or holds NaN/inf or values the likelihood does
-            not take (:mod:`gpytorch_decoupled.validation`).
-        """
-        shape = approximate_dist_f.event_shape
-        if isinstance(self.likelihood, SoftmaxLikelihood) and isinstance(
-            approximate_dist_f, MultitaskMultivariateNormal
-        ):
-            shape = shape[:-1]
-        check_targets(
-            target,
-            "target",
-            shape,
-            approximate_dist_f.mean,
-            self.likelihood,
-            approximate_dist_f.batch_shape,
-            rows_name="the model's output",
-        )
-        return super().forward(approximate_dist_f, target, **kwargs)
 
     def site_log_normalizer(self) -> Tensor:
         r""":math:`\log\mathcal Z(\theta) / n`, summed over latents: the first term of the decomposition

@@ -18,7 +18,13 @@ import gpytorch
 import torch
 
 from gpytorch_decoupled.kernels import KernelSpace
-from gpytorch_decoupled.mlls import DualVariationalELBO, StreamingCollapsedBound
+from gpytorch_decoupled.mlls import (
+    DualVariationalELBO,
+    GammaRobustVariationalELBO,
+    PredictiveLogLikelihood,
+    StreamingCollapsedBound,
+    VariationalELBO,
+)
 from gpytorch_decoupled.models import KernelSelectionGP
 from gpytorch_decoupled.optim import (
     DualEStep,
@@ -222,19 +228,36 @@ def _dual_e_step(labels: bool) -> Callable[[], Case]:
     return build
 
 
+def _objective_case(objective, model: torch.nn.Module, labels: bool, objects: list[Any]) -> Case:
+    """A call of an objective at the model's output on ``x``, with the targets (labels) as the argument."""
+    x, y, classes = data()
+    output = model(x)
+    return Case(
+        lambda target: objective(output, target),
+        {"target": classes if labels else y},
+        {"target": LABELS if labels else TARGETS},
+        objects,
+    )
+
+
 def _dual_elbo(labels: bool) -> Callable[[], Case]:
     def build() -> Case:
         x, y, classes = data()
         model, likelihood = dual_model(labels)
         DualEStep(model, likelihood, num_data=N).step(x, classes if labels else y)
-        objective = DualVariationalELBO(likelihood, model, num_data=N)
-        output = model(x)
-        return Case(
-            lambda target: objective(output, target),
-            {"target": classes if labels else y},
-            {"target": LABELS if labels else TARGETS},
-            [model, likelihood],
-        )
+        return _objective_case(DualVariationalELBO(likelihood, model, num_data=N), model, labels, [model, likelihood])
+
+    return build
+
+
+def _checked_objective(family: str, objective_cls, labels: bool) -> Callable[[], Case]:
+    """One of GPyTorch's approximate objectives with checked targets, on a model of a family trained one step."""
+
+    def build() -> Case:
+        model = MODELS[family]()
+        likelihood = bernoulli_likelihood(10) if labels else gaussian_likelihood()
+        objects = [model, likelihood] if labels else [model, likelihood, _trained(model, likelihood)]
+        return _objective_case(objective_cls(likelihood, model, num_data=N), model, labels, objects)
 
     return build
 
@@ -340,6 +363,14 @@ ENTRY_POINTS = [
     EntryPoint("DualEStep.step[Bernoulli]", _dual_e_step(True)),
     EntryPoint("DualVariationalELBO[Gaussian]", _dual_elbo(False)),
     EntryPoint("DualVariationalELBO[Bernoulli]", _dual_elbo(True)),
+    *(
+        EntryPoint(f"VariationalELBO[{family}]", _checked_objective(family, VariationalELBO, False))
+        for family in MODELS
+    ),
+    EntryPoint(
+        "PredictiveLogLikelihood[Hybrid, Bernoulli]", _checked_objective("Hybrid", PredictiveLogLikelihood, True)
+    ),
+    EntryPoint("GammaRobustVariationalELBO[ODVGP]", _checked_objective("ODVGP", GammaRobustVariationalELBO, False)),
     EntryPoint("OnlineBasisGrowth.step", _online_growth),
     EntryPoint("OrthogonalMeanNaturalGradient.step", _orthogonal_natural_gradient),
     EntryPoint("RecursiveGradientPropagation.step", _srgp_step),

@@ -37,7 +37,7 @@ from tests.robustness.entry_points import (
     same_state,
 )
 
-# Examples per property: 19 entry points, the 2 distributed steps, convert_mean_basis and datasets.load, 575 in all.
+# Examples per property: 24 entry points, the 2 distributed steps, convert_mean_basis and datasets.load, 700 in all.
 EXAMPLES = 25
 
 ERRORS = (TypeError, ValueError, RuntimeError)
