@@ -10,11 +10,13 @@ from .baselines_benchmark import BASELINES
 from .benchmark import Benchmark
 from .compiled_step_benchmark import COMPILED_STEP
 from .decoupled_accuracy_benchmark import DECOUPLED_ACCURACY
+from .decoupled_equal_time_benchmark import DECOUPLED_EQUAL_TIME
 from .decoupled_speed_benchmark import DECOUPLED_SPEED
 from .decoupled_step_benchmark import DECOUPLED_STEP
 from .distributed_benchmark import DISTRIBUTED
 from .dual_benchmark import DUAL
 from .kernel_selection_benchmark import KERNEL_SELECTION
+from .mean_basis_adam_benchmark import MEAN_BASIS_ADAM
 from .method_result import MethodResult
 from .methods import METHODS, Method, build_method
 from .orthogonal_accuracy_benchmark import ORTHOGONAL_ACCURACY
@@ -33,7 +35,9 @@ BENCHMARKS: dict[str, Benchmark] = {
         ORTHOGONAL_ACCURACY,
         DECOUPLED_SPEED,
         DECOUPLED_ACCURACY,
+        DECOUPLED_EQUAL_TIME,
         DECOUPLED_STEP,
+        MEAN_BASIS_ADAM,
         DUAL,
         TSVGP,
         RECURSIVE,

@@ -36,9 +36,20 @@ def add_run_arguments(parser: argparse.ArgumentParser, iterations: int, eval_eve
         "--max-train-rows", type=int, default=None, help="use a seeded random subset of the training rows (quick runs)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="training time as wall-clock (CUDA synchronized), or as the training thread's CPU time (one torch "
+        "thread; for a shared CPU machine)",
+    )
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
+    """The run configuration of the parsed options; a thread-clock run uses one torch thread (the thread's CPU time
+    would not count work done by others)."""
+    if args.clock == "thread":
+        torch.set_num_threads(1)
     return RunConfig(
         iterations=args.iterations,
         batch_size=args.batch_size,
@@ -49,6 +60,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         device=args.device,
         dtype=getattr(torch, args.dtype),
         progress=not args.no_progress,
+        clock=args.clock,
     )
 
 

@@ -95,7 +95,7 @@ def _methods(args: argparse.Namespace) -> list[tuple[str, dict]]:
     ]
 
 
-def _output_splits(split, outputs: list[int] | None):
+def output_splits(split, outputs: list[int] | None):
     """``(output column or None, single-output split)`` for each fitted output of ``split``."""
     if split.train_y.dim() == 1:
         return [(None, split)]
@@ -258,7 +258,7 @@ def _run(args: argparse.Namespace) -> dict:
     for dataset in args.datasets:
         split = load_split(args, dataset)
         fits, by_method = [], {name: [] for name in names}
-        for column, output_split in _output_splits(split, args.outputs):
+        for column, output_split in output_splits(split, args.outputs):
             record, output_results = _fit_output(args, config, output_split, column, device)
             fits.append(record)
             for name, result in zip(names, output_results):

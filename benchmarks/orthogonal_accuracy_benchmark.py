@@ -31,10 +31,11 @@ Two parts, one process:
    natural gradients and with Adam, all for the same number of mini-batch iterations: test MAE and NLL, ranked per
    data set (ties share their mean rank), and the mean rank over both metrics and all data sets. Every method keeps
    GPyTorch's usual rates (Adam 0.01 for hyperparameters and inducing inputs, NGD 0.1); OrthNat's mean coefficients
-   :math:`\\mathbf a_\\gamma`, a block GPyTorch has no default for, get their own Adam rate ``--mean-lr`` (0.1: with
-   0.01 they are still far from converged after 1,500 iterations, and 0.03 sits in between on every data set but
-   elevators). Adam moves every coefficient by about its rate per step, so the rate suits this basis size: at
-   :math:`|\\gamma| = 2000` on kin40k, 0.03 is best and 0.1 is worse than 0.01.
+   :math:`\\mathbf a_\\gamma`, a block GPyTorch has no default for, take the package's
+   :class:`~gpytorch_decoupled.optim.MeanBasisAdam` at its default rate (``--mean-lr`` overrides it), whose step is
+   measured in function space and so needs no rate per basis size (plain Adam at one rate moves the mean function
+   by an amount that grows with :math:`|\\gamma|`: with plain Adam, 0.1 suited :math:`|\\gamma| = 700` and 0.03
+   :math:`|\\gamma| = 2000` on kin40k).
 """
 
 from __future__ import annotations
@@ -91,7 +92,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     accuracy.add_argument("--num-mean-inducing", type=int, default=700, help="Mγ of OrthNat")
     accuracy.add_argument("--svgp-inducing", type=int, default=400, help="M of both SVGPs")
     accuracy.add_argument(
-        "--mean-lr", type=float, default=0.1, help="OrthNat's Adam rate for a_γ (the rest keeps the common 0.01)"
+        "--mean-lr",
+        type=float,
+        default=None,
+        help="OrthNat's MeanBasisAdam rate for a_γ (default: MeanBasisAdam's own; the rest keeps the common 0.01)",
     )
     convergence = parser.add_argument_group("convergence (Fig. 2a)")
     convergence.add_argument("--convergence-dataset", default="kin40k")
@@ -322,7 +326,11 @@ def _accuracy_methods(args: argparse.Namespace) -> list[tuple[str, dict]]:
     return [
         (
             "orthnat",
-            {"num_inducing": args.num_inducing, "num_mean_inducing": args.num_mean_inducing, "mean_lr": args.mean_lr},
+            {
+                "num_inducing": args.num_inducing,
+                "num_mean_inducing": args.num_mean_inducing,
+                **({} if args.mean_lr is None else {"mean_lr": args.mean_lr}),
+            },
         ),
         ("svgp-ngd", {"num_inducing": args.svgp_inducing}),
         ("svgp", {"num_inducing": args.svgp_inducing}),

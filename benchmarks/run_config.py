@@ -18,6 +18,9 @@ class RunConfig:
     :param device: Device of the data and models.
     :param dtype: Floating-point type of the data and models.
     :param progress: Show a tqdm progress bar.
+    :param clock: ``"wall"`` (wall-clock, CUDA synchronized) or ``"thread"`` (CPU time of the training thread,
+        ``time.thread_time``: on a shared CPU machine it does not count the time other processes take; meaningful
+        for a single-threaded CPU run only).
     """
 
     iterations: int = 1000
@@ -29,6 +32,13 @@ class RunConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     progress: bool = True
+    clock: str = "wall"
+
+    def __post_init__(self):
+        if self.clock not in ("wall", "thread"):
+            raise ValueError(f"clock must be 'wall' or 'thread', got {self.clock!r}.")
+        if self.clock == "thread" and torch.device(self.device).type == "cuda":
+            raise ValueError("clock='thread' measures CPU time; a CUDA run needs clock='wall'.")
 
     def to_json(self) -> dict:
         """A JSON-ready dictionary (dtype as a string)."""

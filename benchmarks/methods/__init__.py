@@ -7,6 +7,7 @@ package adds its entry here when it lands.
 from collections.abc import Callable
 from functools import partial
 
+import gpytorch
 from torch import Tensor
 
 from gpytorch_decoupled.variational import HybridVariationalStrategy
@@ -21,6 +22,7 @@ from .exact_regression_model import ExactRegressionModel
 from .gpytorch_orthogonal_method import GPyTorchOrthogonalMethod
 from .inducing_points import initial_inducing_points
 from .method import Method, MethodNotApplicable
+from .nearest_neighbor_method import NearestNeighborMethod
 from .orthogonal_method import OrthogonalMethod
 from .qsvgp_method import QSVGPMethod
 from .recursive_method import RecursiveMethod
@@ -31,6 +33,8 @@ MethodFactory = Callable[..., Method]
 METHODS: dict[str, MethodFactory] = {
     "svgp": SVGPMethod,
     "svgp-ngd": partial(SVGPMethod, natural=True),
+    "svgp-large-batch": partial(SVGPMethod, strategy_cls=gpytorch.variational.LargeBatchVariationalStrategy),
+    "vnngp": NearestNeighborMethod,
     "gpytorch-odvgp": GPyTorchOrthogonalMethod,
     "sgpr": partial(ExactGPMethod, num_inducing=200),
     "exact": partial(ExactGPMethod, num_inducing=None),
@@ -64,6 +68,7 @@ __all__ = [
     "Method",
     "MethodFactory",
     "MethodNotApplicable",
+    "NearestNeighborMethod",
     "OrthogonalMethod",
     "QSVGPMethod",
     "RecursiveMethod",

@@ -4,6 +4,7 @@ import gpytorch
 import torch
 from torch import Tensor
 
+from gpytorch_decoupled.optim import MeanBasisAdam
 from gpytorch_decoupled.variational import DecoupledVariationalDistribution, DecoupledVariationalStrategy
 
 from .approximate_gp_method import ApproximateGPMethod, exact_strategy_kl
@@ -35,7 +36,9 @@ def stacked_mean_basis(train_x: Tensor, covariance_points: Tensor, num_mean_indu
 class DecoupledMethod(ApproximateGPMethod):
     r"""
     This package's :class:`~gpytorch_decoupled.variational.DecoupledVariationalStrategy` (SVDGP, Cheng & Boots 2017),
-    trained as in both papers: Adam on every parameter (the inverse parametrization has no practical natural gradient).
+    trained with Adam (the inverse parametrization has no practical natural gradient): by default the mean coefficients
+    take :class:`~gpytorch_decoupled.optim.MeanBasisAdam` (the package's scale-free step) and the rest Adam; with
+    ``mean_basis_adam=False``, Adam on every parameter at one rate, as in both papers.
 
     The mean basis is :math:`\alpha = \gamma \cup \beta` (Salimbeni et al. 2018, App. F): ``num_mean_inducing -
     num_inducing`` extra points, the same :math:`\gamma` that :class:`OrthogonalMethod` would draw, stacked on the
@@ -47,6 +50,8 @@ class DecoupledMethod(ApproximateGPMethod):
     :param num_inducing: Covariance basis size :math:`M_\beta`.
     :param num_mean_inducing: Mean basis size :math:`M_\alpha \ge M_\beta` (covariance points included).
     :param lr: Adam learning rate.
+    :param mean_basis_adam: Step the mean coefficients with :class:`~gpytorch_decoupled.optim.MeanBasisAdam`.
+    :param mean_lr: MeanBasisAdam's rate (default: its own).
     :param num_kl_columns: Sampled KL rows :math:`b` (``None``: exact KL).
     :param jacobi_preconditioning: Optimize the Jacobi-scaled parameters (Cheng & Boots 2017,
         App. A.1; docs/derivations.md, "Jacobi preconditioning of the decoupled parameters").
@@ -60,6 +65,8 @@ class DecoupledMethod(ApproximateGPMethod):
         num_inducing: int = 200,
         num_mean_inducing: int = 1200,
         lr: float = 0.01,
+        mean_basis_adam: bool = True,
+        mean_lr: float | None = None,
         num_kl_columns: int | None = 64,
         jacobi_preconditioning: bool = False,
         seed: int = 0,
@@ -80,7 +87,13 @@ class DecoupledMethod(ApproximateGPMethod):
 
         model = ApproximateRegressionModel(make_strategy, train_x.size(-1)).to(train_x)
         likelihood = gpytorch.likelihoods.GaussianLikelihood().to(train_x)
-        optimizers = [torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=lr)]
+        parameters = [*model.parameters(), *likelihood.parameters()]
+        optimizers = []
+        if mean_basis_adam:
+            optimizers.append(MeanBasisAdam(model, **({} if mean_lr is None else {"lr": mean_lr})))
+            coefficients = model.variational_strategy.mean_basis.coefficients
+            parameters = [p for p in parameters if p is not coefficients]
+        optimizers.append(torch.optim.Adam(parameters, lr=lr))
         super().__init__(
             "Decoupled (ours)",
             f"Mα={num_mean_inducing}, Mβ={num_inducing}",

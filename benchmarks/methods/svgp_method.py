@@ -29,6 +29,9 @@ class SVGPMethod(ApproximateGPMethod):
     :param likelihood: The likelihood (default: Gaussian).
     :param fast_natural: With ``natural=True``, this package's
         :class:`~gpytorch_decoupled.variational.FastNaturalVariationalDistribution` (same parameters and steps).
+    :param strategy_cls: GPyTorch's :class:`~gpytorch.variational.VariationalStrategy` or a subclass with the same
+        parameters, e.g. :class:`~gpytorch.variational.LargeBatchVariationalStrategy` (its predictive terms in
+        float64, built for large batches on data-centre GPUs).
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class SVGPMethod(ApproximateGPMethod):
         seed: int = 0,
         likelihood: gpytorch.likelihoods.Likelihood | None = None,
         fast_natural: bool = False,
+        strategy_cls: type = gpytorch.variational.VariationalStrategy,
     ):
         torch.manual_seed(seed)
         inducing_points = initial_inducing_points(train_x, num_inducing, seed)
@@ -57,9 +61,7 @@ class SVGPMethod(ApproximateGPMethod):
 
         def make_strategy(model):
             distribution = distribution_cls(num_inducing)
-            return gpytorch.variational.VariationalStrategy(
-                model, inducing_points, distribution, learn_inducing_locations=True
-            )
+            return strategy_cls(model, inducing_points, distribution, learn_inducing_locations=True)
 
         model = ApproximateRegressionModel(make_strategy, train_x.size(-1)).to(train_x)
         likelihood = (likelihood or gpytorch.likelihoods.GaussianLikelihood()).to(train_x)
@@ -71,4 +73,6 @@ class SVGPMethod(ApproximateGPMethod):
         else:
             optimizers = [torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=lr)]
         label = "GPyTorch SVGP (NGD)" if natural else "GPyTorch SVGP (Adam)"
+        if strategy_cls is not gpytorch.variational.VariationalStrategy:
+            label = label.replace("SVGP", strategy_cls.__name__.removesuffix("VariationalStrategy") + " SVGP")
         super().__init__(label, f"M={num_inducing}", model, likelihood, optimizers, train_x, train_y)
