@@ -8,6 +8,7 @@ It lives beside its results, outside the package: the library never imports it, 
 
 from .baselines_benchmark import BASELINES
 from .benchmark import Benchmark
+from .collapsed_fit_benchmark import COLLAPSED_FIT
 from .compiled_step_benchmark import COMPILED_STEP
 from .decoupled_accuracy_benchmark import DECOUPLED_ACCURACY
 from .decoupled_equal_time_benchmark import DECOUPLED_EQUAL_TIME
@@ -42,6 +43,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         TSVGP,
         RECURSIVE,
         SRGP_STEP,
+        COLLAPSED_FIT,
         KERNEL_SELECTION,
         DISTRIBUTED,
         COMPILED_STEP,

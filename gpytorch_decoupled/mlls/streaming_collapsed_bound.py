@@ -125,6 +125,20 @@ class StreamingCollapsedBound:
         self._second_pass(batches, statistics, vector_adjoint, matrix_adjoint)
         return self._loss(statistics.offsets, tail)
 
+    def value(self, batches: Batches) -> Tensor:
+        r"""
+        The bound :math:`\mathcal L` alone, in one pass over ``batches`` and without gradients (also set as
+        :attr:`bound`).
+
+        :param batches: As for :meth:`value_and_backward`.
+        :return: :math:`\mathcal L` per latent (detached).
+        """
+        statistics = self._first_pass(batches)
+        with torch.no_grad():
+            tail = self.strategy.collapsed_bound_tail(statistics.vector, statistics.matrix)
+        self._loss(statistics.offsets, tail)
+        return self.bound
+
     def _first_pass(self, batches: Batches) -> CollapsedBoundStatistics:
         r"""Pass 1: :math:`\tilde{\boldsymbol\eta}`, :math:`\tilde{\boldsymbol\Lambda}`, :math:`\sum_k c_k` and the
         number of points, without a graph."""
