@@ -30,6 +30,7 @@ class DistributedCollapsedBound(StreamingCollapsedBound):
             \nabla_\theta\big(c_k + \langle\bar{\boldsymbol\eta}, \Delta\tilde{\boldsymbol\eta}_k\rangle
             + \langle\bar{\boldsymbol\Lambda}, \Delta\tilde{\boldsymbol\Lambda}_k\rangle\big).
 
+    :meth:`value` (the bound alone) is one all-reduce, and every rank gets the whole data set's bound.
     Two all-reduces per evaluation, whatever the shard sizes; the result is that of one process streaming the union of
     the shards (for PITC, each mini-batch of each shard is a block). Gradients already in ``.grad`` are kept and the
     evaluation's gradient added, as by ``loss.backward()``. An error or a NaN on any rank, in either pass, raises the
@@ -110,6 +111,10 @@ class DistributedCollapsedBound(StreamingCollapsedBound):
             if gradient is not None:
                 parameter.grad = gradient if parameter.grad is None else gradient + parameter.grad
         return self._loss(total.offsets, tail)
+
+    def _total_statistics(self, batches: Batches) -> CollapsedBoundStatistics:
+        # value() on every rank: the bound of the whole data set from the all-reduced statistics
+        return self._summed_first_pass(batches)[1]
 
     def _summed_first_pass(self, batches: Batches) -> tuple[CollapsedBoundStatistics, CollapsedBoundStatistics]:
         """This rank's first pass and its statistics summed over every rank."""

@@ -133,11 +133,15 @@ class StreamingCollapsedBound:
         :param batches: As for :meth:`value_and_backward`.
         :return: :math:`\mathcal L` per latent (detached).
         """
-        statistics = self._first_pass(batches)
+        statistics = self._total_statistics(batches)
         with torch.no_grad():
             tail = self.strategy.collapsed_bound_tail(statistics.vector, statistics.matrix)
         self._loss(statistics.offsets, tail)
         return self.bound
+
+    def _total_statistics(self, batches: Batches) -> CollapsedBoundStatistics:
+        """The statistics of the whole data set (here: the first pass over ``batches``)."""
+        return self._first_pass(batches)
 
     def _first_pass(self, batches: Batches) -> CollapsedBoundStatistics:
         r"""Pass 1: :math:`\tilde{\boldsymbol\eta}`, :math:`\tilde{\boldsymbol\Lambda}`, :math:`\sum_k c_k` and the

@@ -220,7 +220,12 @@ def train_collapsed_bound(distributed: bool) -> dict:
         if first_gradients is None:
             first_gradients = [parameter.grad.clone() for parameter in parameters]
         optimizer.step()
-    return {"state": state_of(model, likelihood), "losses": torch.stack(losses), "gradients": first_gradients}
+    return {
+        "state": state_of(model, likelihood),
+        "losses": torch.stack(losses),
+        "gradients": first_gradients,
+        "value": objective.value(batches),  # the whole data set's bound on every rank
+    }
 
 
 def train_kernel_selection(distributed: bool) -> dict:
