@@ -5,6 +5,7 @@ Where data sets are looked for: the configured data directories, the download ca
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from ._checks import check_path
@@ -78,7 +79,11 @@ def cache_dir(cache_dir: str | os.PathLike | None = None) -> Path | None:
     if os.environ.get(CACHE_ENV_VAR):
         return Path(os.environ[CACHE_ENV_VAR])
     try:
-        import pooch
+        with warnings.catch_warnings():
+            # pooch imports tqdm.auto, which warns in a Jupyter kernel without ipywidgets (with the path of the
+            # environment); every data set lookup comes here, and only the cache path is needed.
+            warnings.filterwarnings("ignore", message="IProgress not found")
+            import pooch
     except ImportError:
         return None
     return Path(pooch.os_cache("gpytorch_decoupled"))

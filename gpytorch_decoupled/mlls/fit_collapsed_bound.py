@@ -75,8 +75,11 @@ def fit_collapsed_bound(
 
     **Restarts** (``num_starts > 1``): start :math:`k` scales the initial length-scales and sets the noise fraction
     by a fixed schedule ((1, f), (1/2, 0.01), (2, 0.3), (1/4, 0.001), (4, 0.1), ...), runs L-BFGS, and the start with
-    the highest bound is kept. A start that fails (a matrix not positive definite even with the maximum jitter, a
-    non-finite bound) is skipped with a warning.
+    the highest bound is kept.
+
+    **Failures.** Where the line search steps to parameters at which the bound fails (a matrix not positive definite
+    even with the maximum jitter, NaN), the start ends, with a warning, at the best point it evaluated before; a start
+    whose initialization cannot be evaluated is skipped with a warning.
 
     :param model: An :class:`~gpytorch.models.ApproximateGP` with a
         :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` (its ``approximation`` chooses the bound).
@@ -139,20 +142,22 @@ def fit_collapsed_bound(
         elif start > 0:
             _perturb(model, likelihood, factor, fraction / noise_fraction)
         try:
-            bound = _run_lbfgs(objective, parameters, batches, max_iter)
-        except (RuntimeError, ValueError) as error:  # NotPSDError is a RuntimeError
+            bound, problem = _run_lbfgs(objective, parameters, batches, max_iter)
+        except (RuntimeError, ValueError) as error:  # not even the initialization could be evaluated
             warnings.warn(
                 f"fit_collapsed_bound: start {start} failed ({error}); it is skipped.", RuntimeWarning, stacklevel=2
             )
             bound = None
+        else:
+            if problem is not None:
+                warnings.warn(
+                    f"fit_collapsed_bound: in start {start} L-BFGS stepped to parameters where the bound fails "
+                    f"({problem}); the start ends at its best point before that.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         total = bound.sum().item() if bound is not None else -math.inf
-        if bound is not None and not math.isfinite(total):
-            warnings.warn(
-                f"fit_collapsed_bound: start {start} ended at a non-finite bound; it is skipped.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            total = -math.inf
+        total = total if math.isfinite(total) else -math.inf
         start_bounds.append(total)
         if math.isfinite(total) and (best is None or total > best[1].sum().item()):
             best, best_state = (start, bound), _state(model, likelihood)
@@ -278,19 +283,45 @@ def _set_noise(likelihood: GaussianLikelihood, noise: Tensor) -> None:
     likelihood.noise = torch.maximum(torch.as_tensor(noise).to(current), floor).expand_as(current)
 
 
-def _run_lbfgs(objective: StreamingCollapsedBound, parameters: list[Tensor], batches: Batches, max_iter: int) -> Tensor:
-    """L-BFGS (strong Wolfe) on the exact bound; returns the bound (per latent) at the final parameters."""
+def _run_lbfgs(
+    objective: StreamingCollapsedBound, parameters: list[Tensor], batches: Batches, max_iter: int
+) -> tuple[Tensor, str | None]:
+    """L-BFGS (strong Wolfe) on the exact bound. Returns the bound (per latent) at the final parameters and
+    ``None``; or, where the line search stepped to parameters at which the bound fails (a matrix not positive definite,
+    NaN), the bound at the best point evaluated before and what failed."""
+    best = {"loss": math.inf, "values": None}
+    problem = None
     if parameters:  # all may be frozen: then the bound at the initialization
         optimizer = torch.optim.LBFGS(parameters, max_iter=max_iter, line_search_fn="strong_wolfe")
 
         def closure() -> Tensor:
             optimizer.zero_grad()
-            return objective.value_and_backward(batches)
+            loss = objective.value_and_backward(batches)
+            if math.isfinite(loss.item()) and loss.item() < best["loss"]:
+                best["loss"], best["values"] = loss.item(), [p.detach().clone() for p in parameters]
+            return loss
 
-        optimizer.step(closure)
+        try:
+            optimizer.step(closure)
+        except (RuntimeError, ValueError) as error:  # NotPSDError is a RuntimeError
+            problem = str(error)
         for parameter in parameters:
             parameter.grad = None
-    return objective.value(batches)
+    if problem is None:
+        try:
+            bound = objective.value(batches)
+        except (RuntimeError, ValueError) as error:
+            problem = str(error)
+        else:
+            if torch.isfinite(bound).all():
+                return bound, None
+            problem = "a non-finite bound"
+    if best["values"] is None:
+        raise RuntimeError(problem)
+    with torch.no_grad():
+        for parameter, value in zip(parameters, best["values"], strict=True):
+            parameter.copy_(value)
+    return objective.value(batches), problem
 
 
 def _state(model: ApproximateGP, likelihood: GaussianLikelihood) -> tuple[dict, dict]:

@@ -12,6 +12,7 @@ import warnings
 import gpytorch
 import pytest
 import torch
+from linear_operator.utils.errors import NotPSDError
 
 from gpytorch_decoupled.kernels import median_lengthscales
 from gpytorch_decoupled.mlls import StreamingCollapsedBound, fit_collapsed_bound
@@ -141,6 +142,30 @@ def test_restarts_keep_the_best_start():
     value = StreamingCollapsedBound(model, likelihood).value(_batches(x, y))
     torch.testing.assert_close(value, fit.bound, rtol=1e-12, atol=0.0)
     assert model.variational_strategy.num_observed == 0  # absorb=False leaves the state alone
+
+
+def test_a_line_search_into_failure_ends_at_the_best_point_before(monkeypatch):
+    x, y = _data(n=200)
+    model, likelihood = _model(x)
+    calls, losses = [0], []
+    original = StreamingCollapsedBound.value_and_backward
+
+    def failing_on_the_fourth_call(self, batches):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise NotPSDError("K_uu is not positive definite (simulated)")
+        loss = original(self, batches)
+        losses.append(loss.item())
+        return loss
+
+    monkeypatch.setattr(StreamingCollapsedBound, "value_and_backward", failing_on_the_fourth_call)
+    with pytest.warns(RuntimeWarning, match="stepped to parameters where the bound fails.*simulated"):
+        fit = fit_collapsed_bound(model, likelihood, _batches(x, y), max_iter=20, absorb=False)
+    assert calls[0] == 4 and len(losses) == 3
+    torch.testing.assert_close(fit.bound.sum(), torch.tensor(-min(losses), dtype=F64), rtol=1e-12, atol=0.0)
+    monkeypatch.undo()
+    value = StreamingCollapsedBound(model, likelihood).value(_batches(x, y))
+    torch.testing.assert_close(value, fit.bound, rtol=1e-12, atol=0.0)
 
 
 def test_bad_arguments_change_nothing():
