@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Numerical building blocks shared by the method families: float64 Cholesky with jitter, triangular solves,
-tiled kernel-vector products and quadratic forms, the sampled estimates of a mean basis's quadratic form and the KL
-divergence from a whitened prior."""
+"""Numerical building blocks shared by the method families: float64 Cholesky with jitter, triangular solves, congruence
+transforms, tiled kernel-vector products and quadratic forms, the sampled estimates of a mean basis's quadratic form and
+the KL divergence from a whitened prior."""
 
 from .cholesky import jittered_cholesky, reset_jitter_warnings
+from .congruence import congruence
 from .kernel_matvec import kernel_matvec
 from .kernel_quadratic_form import kernel_quadratic_form
 from .landmark_quadratic_form import (
@@ -21,6 +22,7 @@ __all__ = [
     "cholesky_solve",
     "coefficient_proportional_rows",
     "column_sampled_quadratic_form",
+    "congruence",
     "jittered_cholesky",
     "kernel_keep_size",
     "kernel_matvec",

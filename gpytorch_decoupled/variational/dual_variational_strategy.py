@@ -10,7 +10,7 @@ from gpytorch.variational import IndependentMultitaskVariationalStrategy
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator, RootLinearOperator
 from torch import Tensor
 
-from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower, whitened_kl
+from ..linalg import cholesky_logdet, cholesky_solve, congruence, jittered_cholesky, solve_lower, whitened_kl
 from ._direct_variational_strategy import _DirectVariationalStrategy
 from ._strategy_multivariate_normal import _StrategyMultivariateNormal
 from .dual_variational_distribution import DualVariationalDistribution
@@ -217,7 +217,7 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
             whitened_precision = (whitened_cross * site_precision.unsqueeze(-2)) @ whitened_cross.mT
         else:
             whitened_site_mean = (prior_chol.mT @ site_mean.unsqueeze(-1)).squeeze(-1)
-            whitened_precision = prior_chol.mT @ site_precision @ prior_chol
+            whitened_precision = congruence(prior_chol, site_precision)  # backward: one M x M product
         inner = whitened_precision + torch.eye(
             whitened_precision.size(-1), dtype=whitened_precision.dtype, device=whitened_precision.device
         )
