@@ -26,6 +26,7 @@ from .recursive_benchmark import RECURSIVE
 from .run_config import RunConfig
 from .runner import compare, train_and_evaluate
 from .srgp_step_benchmark import SRGP_STEP
+from .streaming_benchmark import STREAMING
 from .tsvgp_benchmark import TSVGP
 
 BENCHMARKS: dict[str, Benchmark] = {
@@ -44,6 +45,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         RECURSIVE,
         SRGP_STEP,
         COLLAPSED_FIT,
+        STREAMING,
         KERNEL_SELECTION,
         DISTRIBUTED,
         COMPILED_STEP,
