@@ -61,7 +61,9 @@ class StreamingCollapsedBound:
     :meth:`value_and_backward` accumulates the gradient of the **loss** :math:`-\mathcal L` into ``.grad`` of every
     parameter of the model and likelihood (kernel, mean, noise, inducing inputs), exactly like ``loss.backward()``,
     and returns that loss, so it is a closure for any optimizer (including L-BFGS); the bound itself is
-    :attr:`bound`. The strategy's state is not touched.
+    :attr:`bound`. The strategy's state is not touched. :func:`~gpytorch_decoupled.mlls.fit_collapsed_bound` runs
+    L-BFGS on it from a data-driven initialization and warns at the noise-only solution, which GPyTorch's default
+    hyperparameters can stall at.
 
     :param model: An :class:`~gpytorch.models.ApproximateGP` with a
         :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` (its ``approximation`` chooses the bound).
