@@ -36,7 +36,7 @@ def test_streaming_predicts_every_batch_before_learning_it(tmp_path):
     )  # fmt: skip
     payload = json.loads((tmp_path / "streaming.json").read_text())
     assert set(payload["goals"]) <= set(payload["ratios"])
-    for name in ("kalman_refit", "kalman_fixed", "svgp", "svgp_3x"):
+    for name in ("kalman_refit", "kalman_fixed", "srgp", "svgp", "svgp_3x"):
         curve = payload["curves"][name]
         assert [row["rows"] for row in curve] == list(range(250, 701, 50))
         assert sum(row["count"] for row in curve) == 500
