@@ -230,7 +230,7 @@ def _plot(rows: list[dict], results: list[MethodResult], path: Path) -> Path | N
                 axis.plot(
                     [p["iteration"] for p in curve],
                     [p["nll"] for p in curve],
-                    label=result.name.split("@")[0] + f" Mγ={row['size']}",
+                    label="SVGP-Adam M=100" if row["method"] == "svgp" else f"{row['method']} Mγ={row['size']}",
                 )
         axis.set_title(dataset)
         axis.set_xlabel("iteration")
