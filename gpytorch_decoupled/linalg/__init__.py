@@ -14,7 +14,14 @@ from .landmark_quadratic_form import (
 )
 from .quadratic_form import column_sampled_quadratic_form
 from .settings import kernel_keep_size, kernel_tile_size
-from .triangular import cholesky_logdet, cholesky_solve, solve_lower, solve_lower_transpose, symmetrized
+from .triangular import (
+    cholesky_logdet,
+    cholesky_solve,
+    solve_lower,
+    solve_lower_transpose,
+    symmetrized,
+    weighted_gram,
+)
 from .whitened_kl import whitened_kl
 
 __all__ = [
@@ -34,5 +41,6 @@ __all__ = [
     "solve_lower",
     "solve_lower_transpose",
     "symmetrized",
+    "weighted_gram",
     "whitened_kl",
 ]

@@ -123,3 +123,20 @@ def symmetrized(
         True
     """
     return 0.5 * (A + A.mT)
+
+
+def weighted_gram(
+    C: Tensor,  # shape: (*batch, n, k)
+    w: Tensor,  # shape: (*batch, k)
+) -> Tensor:  # shape: (*batch, n, n)
+    r"""
+    The weighted Gram matrix :math:`\mathbf C\operatorname{diag}(\mathbf w)\mathbf C^\top` of the columns of
+    :attr:`C`, exactly symmetric (:func:`symmetrized`). Batch dimensions broadcast.
+
+    Example:
+        >>> C = torch.tensor([[1.0, 0.0], [1.0, 2.0]])
+        >>> weighted_gram(C, torch.tensor([2.0, 0.5]))
+        tensor([[2., 2.],
+                [2., 4.]])
+    """
+    return symmetrized((C * w.unsqueeze(-2)) @ C.mT)

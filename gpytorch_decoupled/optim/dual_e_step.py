@@ -1,14 +1,11 @@
 from __future__ import annotations
 
 import torch
-from gpytorch import settings
-from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.likelihoods import Likelihood, SoftmaxLikelihood
 from gpytorch.models import ApproximateGP
-from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from ..linalg import cholesky_solve, solve_lower_transpose
+from ..linalg import cholesky_solve, solve_lower_transpose, weighted_gram
 from ..validation import check_targets, check_tensor
 from ..variational import DualPosteriorFactors, DualSiteStatistics, DualVariationalStrategy
 
@@ -108,7 +105,7 @@ class DualEStep(torch.optim.Optimizer):
         likelihood: Likelihood,
         num_data: int,
         lr: float = 1.0,
-        min_curvature: float = 2e-8,
+        min_curvature: float = DualVariationalStrategy.DEFAULT_MIN_CURVATURE,
         num_likelihood_samples: int | None = None,
     ):
         strategy, self.task_dim = DualVariationalStrategy.of_model(model, "DualEStep")
@@ -143,23 +140,9 @@ class DualEStep(torch.optim.Optimizer):
     ) -> tuple[Tensor, Tensor, DualSiteStatistics]:
         r"""The natural-gradient targets :math:`g_1, g_2` per latent, ``(..., B)``, and the batch's statistics."""
         statistics = self.strategy.site_statistics(x, factors)
-        mean = (statistics.prior_mean + statistics.centred_mean).requires_grad_(True)
-        variance = statistics.variance.clone().requires_grad_(True)
-        with torch.enable_grad():
-            marginals = MultivariateNormal(mean, DiagLinearOperator(variance))
-            if self.task_dim is not None:
-                marginals = MultitaskMultivariateNormal.from_batch_mvn(marginals, task_dim=self.task_dim)
-            samples = self.num_likelihood_samples or settings.num_likelihood_samples.value()
-            with settings.num_likelihood_samples(samples):
-                expected_log_prob = self.likelihood.expected_log_prob(y, marginals)
-            mean_gradient, variance_gradient = torch.autograd.grad(expected_log_prob.sum(), [mean, variance])
-        curvature = (-2.0 * variance_gradient).clamp_min(self.min_curvature)
-        first_target = curvature * statistics.centred_mean + mean_gradient
-        if not (torch.isfinite(first_target).all() and torch.isfinite(curvature).all()):
-            raise RuntimeError(
-                "the likelihood's expected_log_prob has non-finite derivatives at these targets; the sites were not "
-                "changed."
-            )
+        first_target, curvature = self.strategy.site_targets(
+            self.likelihood, y, statistics, self.min_curvature, self.task_dim, self.num_likelihood_samples
+        )
         return first_target, curvature, statistics
 
     @torch.no_grad()
@@ -198,7 +181,7 @@ class DualEStep(torch.optim.Optimizer):
             whitened_cross = statistics.whitened_cross
             whitened_mean_sum, whitened_gram, batch_size = self._combined_sums(
                 (whitened_cross @ first_target.unsqueeze(-1)).squeeze(-1),
-                _weighted_gram(whitened_cross, second_target),
+                weighted_gram(whitened_cross, second_target),
                 x.size(0),
             )
             # Projecting the batch's own columns is cheaper than two M x M solves when B < M; it needs the sums to be
@@ -307,10 +290,4 @@ class DualEStep(torch.optim.Optimizer):
             return mean_increment, 0.5 * (precision_increment + precision_increment.mT), new_factors
         whitened_cross, second_target = own_columns
         projections = solve_lower_transpose(prior_chol, whitened_cross)
-        return mean_increment, _weighted_gram(projections, second_target), new_factors
-
-
-def _weighted_gram(columns: Tensor, weights: Tensor) -> Tensor:
-    r""":math:`\mathbf C\operatorname{diag}(\mathbf w)\mathbf C^\top`, exactly symmetric."""
-    gram = (columns * weights.unsqueeze(-2)) @ columns.mT
-    return 0.5 * (gram + gram.mT)
+        return mean_increment, weighted_gram(projections, second_target), new_factors

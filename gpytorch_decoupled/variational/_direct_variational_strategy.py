@@ -6,6 +6,7 @@ from gpytorch.module import Module
 from torch import Tensor
 
 from ..gpytorch_compat import VariationalDistributionBase, VariationalStrategyBase, cache_safe
+from ._fantasies import no_fantasy_model
 from .checked_inputs import checked_inputs
 
 
@@ -57,6 +58,11 @@ class _DirectVariationalStrategy(VariationalStrategyBase):
         r""":math:`q(f(\mathbf x))` at inputs broadcast against the inducing points (marginal variances only in
         training mode with ``diag``); ``kwargs`` go to the model's prior."""
         raise NotImplementedError
+
+    def get_fantasy_model(self, inputs: Tensor, targets: Tensor, **kwargs) -> ApproximateGP:
+        """Closed-form conditioning where the subclass has it; otherwise a ``NotImplementedError`` that names the
+        strategies with one."""
+        raise no_fantasy_model(self)
 
     def checked_inputs(self, x: Tensor, name: str = "x", dim: int | None = None) -> Tensor:
         """``x`` validated against the inducing points (see :func:`~gpytorch_decoupled.variational.checked_inputs`)."""

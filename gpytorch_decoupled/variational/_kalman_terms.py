@@ -91,15 +91,15 @@ def observation_terms(
     inducing_data_covariance: Tensor,  # (..., M, B)
     data_covariance: Tensor,  # (..., B) diagonal, or (..., B, B) for PITC
     residual: Tensor,  # (..., B), y - mu_0(x)
-    noise: Tensor,  # (...), sigma^2
+    noise: Tensor,  # (..., 1), sigma^2, or (..., B), one noise variance per point
 ) -> ObservationTerms:
-    r"""The :class:`ObservationTerms` of one mini-batch under its model's row of :ref:`derivations-pep-family`."""
+    r"""The :class:`ObservationTerms` of one mini-batch under its model's row of :ref:`derivations-pep-family` (with
+    one noise variance per point, :math:`\sigma^2\mathbf I` becomes :math:`\operatorname{Diag}(\sigma_i^2)`)."""
     projection = solve_lower(inducing_cholesky, inducing_data_covariance)  # L_uu^{-1} K_uk
-    noise = noise.unsqueeze(-1)
     if approximation == "pitc":
         conditional = data_covariance - projection.mT @ projection  # Delta_k, the whole block
-        eye = torch.eye(conditional.size(-1), dtype=conditional.dtype, device=conditional.device)
-        noise_cholesky = jittered_cholesky(conditional + noise.unsqueeze(-1) * eye, name="PITC block V_k")
+        noise_matrix = torch.diag_embed(noise.expand(*noise.shape[:-1], conditional.size(-1)))
+        noise_cholesky = jittered_cholesky(conditional + noise_matrix, name="PITC block V_k")
         features = solve_lower(noise_cholesky, inducing_data_covariance.mT)
         targets = solve_lower(noise_cholesky, residual.unsqueeze(-1)).squeeze(-1)
         log_det_noise = cholesky_logdet(noise_cholesky)
@@ -113,7 +113,7 @@ def observation_terms(
     targets = residual * scale
     log_det_noise = variance.log().sum(-1)
     if approximation == "vfe":
-        regularizer = conditional.sum(-1) / (2 * noise.squeeze(-1))
+        regularizer = (conditional / noise).sum(-1) / 2
     elif approximation == "pep":
         regularizer = (1 - alpha) / (2 * alpha) * torch.log1p(alpha * conditional / noise).sum(-1)
     else:

@@ -27,6 +27,7 @@ from ..gpytorch_compat import (
     whitened_cholesky_factor,
 )
 from ..linalg import jittered_cholesky, landmark_controlled_estimate, landmark_quadratic_form, symmetrized
+from ._fantasies import no_fantasy_model
 from ._replace_tensor import replace_tensor
 from ._strategy_multivariate_normal import _StrategyMultivariateNormal
 from .checked_inputs import checked_basis_points, checked_inputs
@@ -105,6 +106,10 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
         self.register_load_state_dict_pre_hook(functools.partial(load_renamed_keys, _OLD_KEYS, ("updated_strategy",)))
 
     # ------------------------------------------------------------------ the mean basis
+    def get_fantasy_model(self, inputs: Tensor, targets: Tensor, **kwargs) -> ApproximateGP:
+        """No closed-form conditioning here: raises a ``NotImplementedError`` that names the strategies with one."""
+        raise no_fantasy_model(self)
+
     def mean_basis_quadratic_form(self, indices: Tensor | None = None) -> Tensor:
         r"""
         :math:`\mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma`: exact in eval mode, with

@@ -3,15 +3,27 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from gpytorch.distributions import MultivariateNormal
+from gpytorch import settings
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from gpytorch.likelihoods import GaussianLikelihood, Likelihood
 from gpytorch.models import ApproximateGP
 from gpytorch.utils.memoize import cached
 from gpytorch.variational import IndependentMultitaskVariationalStrategy
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator, RootLinearOperator
 from torch import Tensor
 
-from ..linalg import cholesky_logdet, cholesky_solve, congruence, jittered_cholesky, solve_lower, whitened_kl
+from ..linalg import (
+    cholesky_logdet,
+    cholesky_solve,
+    congruence,
+    jittered_cholesky,
+    solve_lower,
+    solve_lower_transpose,
+    weighted_gram,
+    whitened_kl,
+)
 from ._direct_variational_strategy import _DirectVariationalStrategy
+from ._fantasies import checked_fantasy_data, fantasy_copy
 from ._strategy_multivariate_normal import _StrategyMultivariateNormal
 from .dual_variational_distribution import DualVariationalDistribution
 from .joint_prior import joint_prior
@@ -135,6 +147,9 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
         https://arxiv.org/abs/2111.03412
     """
 
+    #: The E-step's default :math:`\beta_{\min}` (the reference code's :math:`\partial\mathrm{VE}/\partial v \le
+    #: -10^{-8}`).
+    DEFAULT_MIN_CURVATURE: float = 2e-8
     #: Whether the last training forward pass was at the prior (a second one without an E-step in between raises).
     _trained_at_prior: bool = False
     _step_attributes = ("_posterior_factors", "_batch_statistics")
@@ -335,13 +350,14 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
                 factors = DualPosteriorFactors(*(t.detach() for t in factors))
                 statistics = self._site_statistics(*detached, factors)
                 self._batch_statistics = (x.detach(), self.state_snapshot(), statistics)
-            return MultivariateNormal(mean, DiagLinearOperator(variance))
+            return MultivariateNormal(mean, DiagLinearOperator(variance.expand(mean.shape)))
         covariance = (
             data_covariance
             + MatmulLinearOperator(whitened_cross.mT.neg(), whitened_cross)
             + MatmulLinearOperator(reduced_cross.mT, reduced_cross)
         )
-        return MultivariateNormal(mean, covariance)
+        # A fantasy's sites may have a sample batch (of targets) that the covariance does not.
+        return MultivariateNormal(mean, covariance.expand(*mean.shape[:-1], *covariance.shape[-2:]))
 
     def state_snapshot(self) -> dict[str, Tensor]:
         r"""A copy of everything :math:`q` and its marginals depend on: the model's ``state_dict`` (hyperparameters,
@@ -396,6 +412,168 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
         centred_mean = (whitened_cross * factors.whitened_mean.unsqueeze(-1)).sum(-2)
         variance = _marginal_variances(data_covariance, whitened_cross, reduced_cross)
         return self._site_statistics(prior_mean, centred_mean, variance, whitened_cross, factors)
+
+    @staticmethod
+    def site_targets(
+        likelihood: Likelihood,
+        y: Tensor,
+        statistics: DualSiteStatistics,
+        min_curvature: float = DEFAULT_MIN_CURVATURE,
+        task_dim: int | None = None,
+        num_likelihood_samples: int | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        r"""
+        The E-step's natural-gradient targets at a batch's marginals :math:`q(f_i) = \mathcal N(\mu_i, v_i)`
+        (:class:`~gpytorch_decoupled.optim.DualEStep`; `Adam et al. (2021)`_, App. E): through the likelihood's
+        ``expected_log_prob`` :math:`\mathrm{VE}_i`,
+
+        .. math::
+
+            g_{1,i} = \beta_i(\mu_i - \mu_0(\mathbf x_i)) + \frac{\partial\mathrm{VE}_i}{\partial\mu_i}, \qquad
+            g_{2,i} = \beta_i = \max\!\Big(-2\frac{\partial\mathrm{VE}_i}{\partial v_i}, \beta_{\min}\Big).
+
+        For a Gaussian likelihood they do not depend on :math:`q`: :math:`g_{1,i} = (y_i - \mu_0(\mathbf x_i)) /
+        \sigma^2`, :math:`g_{2,i} = 1/\sigma^2`.
+
+        :param likelihood: Any GPyTorch likelihood with ``expected_log_prob``.
+        :param y: Targets, of the shape the likelihood expects; leading batch dimensions beyond the marginals' (a sample
+            batch of targets) give targets of that batch shape.
+        :param statistics: The batch's :meth:`site_statistics`.
+        :param min_curvature: :math:`\beta_{\min}`.
+        :param task_dim: The task dimension of an independent multitask wrapper, if any.
+        :param num_likelihood_samples: Monte Carlo samples for likelihoods without quadrature.
+        :return: :math:`\mathbf g_1` and :math:`\mathbf g_2`, ``(..., B)`` per latent.
+        :raises RuntimeError: If they are not finite.
+        """
+        mean = statistics.prior_mean + statistics.centred_mean
+        if task_dim is None:
+            mean = mean.expand(torch.broadcast_shapes(mean.shape, y.shape))
+        mean = mean.clone().requires_grad_(True)
+        variance = statistics.variance.expand(mean.shape).clone().requires_grad_(True)
+        with torch.enable_grad():
+            marginals = MultivariateNormal(mean, DiagLinearOperator(variance))
+            if task_dim is not None:
+                marginals = MultitaskMultivariateNormal.from_batch_mvn(marginals, task_dim=task_dim)
+            samples = num_likelihood_samples or settings.num_likelihood_samples.value()
+            with settings.num_likelihood_samples(samples):
+                expected_log_prob = likelihood.expected_log_prob(y, marginals)
+            mean_gradient, variance_gradient = torch.autograd.grad(expected_log_prob.sum(), [mean, variance])
+        curvature = (-2.0 * variance_gradient).clamp_min(min_curvature)
+        first_target = curvature * statistics.centred_mean + mean_gradient
+        if not (torch.isfinite(first_target).all() and torch.isfinite(curvature).all()):
+            raise RuntimeError(
+                "the likelihood's expected_log_prob has non-finite derivatives at these targets; the sites were not "
+                "changed."
+            )
+        return first_target, curvature
+
+    def get_fantasy_model(
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        likelihood: Likelihood | None = None,
+        noise: Tensor | None = None,
+    ) -> ApproximateGP:
+        r"""
+        A new model whose sites include the observations :math:`(\mathbf X_*, \mathbf y_*)` as well, with no refit:
+        each new point :math:`i` adds its site :math:`(\lambda_{1,i}, \lambda_{2,i})` (`Adam et al. (2021)`_, eq. 44)
+        to the u-space sites, :math:`\boldsymbol\ell_1 \mathrel{+}= \sum_i\mathbf a_i\lambda_{1,i}` and
+        :math:`\mathbf L_2 \mathrel{+}= \sum_i\lambda_{2,i}\mathbf a_i\mathbf a_i^\top` with
+        :math:`\mathbf a_i = \mathbf K_{\mathbf{uu}}^{-1}\mathbf k_{\mathbf u i}` (per-datum sites: the new points and
+        their sites are appended). The sites are the E-step's targets (:meth:`site_targets`) at the model's marginals
+        at the new points:
+
+        * **Gaussian likelihood** (or ``noise`` given): :math:`\lambda_{1,i} = (y_i - \mu_0(\mathbf x_i))/\sigma^2`
+          and :math:`\lambda_{2,i} = 1/\sigma^2` (in the paper's natural coordinates :math:`\lambda_{2,i} =
+          -1/2\sigma^2`), which do not depend on :math:`q`: exact conditioning, the posterior with the sites of all the
+          data (after a converged E-step on the old data, Titsias' collapsed posterior of all the data);
+        * **any other likelihood**: the sites one E-step with :math:`r = 1` gives the new points at the current
+          :math:`q` (an approximation, as the exact posterior is not Gaussian; the old sites are kept). Further
+          :class:`~gpytorch_decoupled.optim.DualEStep` steps on the new model refine it.
+
+        This model is left unchanged. Targets with batch dimensions beyond the inputs' (``num_fantasies x batch x k``,
+        as BoTorch's ``fantasize`` passes a sample batch) give a batched fantasy model whose predictions have that
+        batch shape; :math:`\mathbf L_2` is kept once per batch of inputs where the sites' precisions do not depend on
+        the targets (Gaussian).
+
+        **Cost.** :math:`O(kM^2)` for :math:`k` new points (their kernel columns, projections and the rank-:math:`k`
+        increment of :math:`\mathbf L_2`), plus the factorizations of :math:`\mathbf K_{\mathbf{uu}}` and of
+        :math:`\mathbf H` of the first prediction (:math:`O(M^3)` once per fantasy model and batch of inputs, as after
+        any change of the sites, independent of :math:`k` and of the number of fantasies), where a refit (an E-step
+        over all :math:`n` points) costs :math:`O(nM^2 + M^3)`.
+
+        :param inputs: New inputs :math:`\mathbf X_*`, ``(..., k, D)`` (``(k,)`` for one input dimension).
+        :param targets: New targets :math:`\mathbf y_*`, ``(..., k)``.
+        :param likelihood: The likelihood (default: the model's ``likelihood`` attribute).
+        :param noise: The new observations' noise variances (Gaussian), broadcastable to the targets, in place of the
+            likelihood's (BoTorch passes them for observations of known noise).
+        :return: The conditioned copy of the model.
+        :raises ValueError: On bad shapes, dtypes, devices, NaN/inf or noise, or without a likelihood, before anything
+            is computed.
+        :raises NotImplementedError: If the strategy is inside a wrapper, or for per-datum sites with batched inputs
+            or targets.
+
+        Example:
+            >>> import gpytorch, torch
+            >>> from gpytorch_decoupled.optim import DualEStep
+            >>> from gpytorch_decoupled.variational import DualVariationalDistribution, DualVariationalStrategy
+            >>> class DualGP(gpytorch.models.ApproximateGP):
+            ...     def __init__(self, inducing_points):
+            ...         q = DualVariationalDistribution(inducing_points.size(0))
+            ...         super().__init__(DualVariationalStrategy(self, inducing_points, q))
+            ...         self.mean_module = gpytorch.means.ZeroMean()
+            ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+            ...     def forward(self, x):
+            ...         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+            >>> model, likelihood = DualGP(torch.linspace(-3, 3, 15)), gpytorch.likelihoods.GaussianLikelihood()
+            >>> x = torch.linspace(-3, 3, 100)
+            >>> DualEStep(model, likelihood, num_data=100).step(x.unsqueeze(-1), torch.sin(2 * x))
+            >>> fantasy = model.get_fantasy_model(torch.tensor([0.5]), torch.randn(8, 1), likelihood=likelihood)
+            >>> fantasy.eval()(torch.tensor([0.5, 1.0])).mean.shape
+            torch.Size([8, 2])
+        """
+        if self.model.variational_strategy is not self:
+            raise NotImplementedError(
+                "get_fantasy_model conditions the model whose own variational_strategy this is; a strategy inside a "
+                "wrapper (multitask, LMC) has no fantasy models."
+            )
+        if likelihood is None:
+            likelihood = getattr(self.model, "likelihood", None)
+        if likelihood is None and noise is None:
+            raise ValueError(
+                "DualVariationalStrategy.get_fantasy_model needs the likelihood of the new observations: pass "
+                "likelihood=... (the model has no likelihood attribute)."
+            )
+        if noise is not None and not isinstance(likelihood, (GaussianLikelihood, type(None))):
+            raise ValueError(f"noise is for Gaussian observations, but the likelihood is {type(likelihood).__name__}.")
+        x, y, noise, batch_shape = checked_fantasy_data(self, inputs, targets, noise, likelihood)
+        distribution = self._variational_distribution
+        if distribution.per_datum and (x.dim() != 2 or batch_shape != distribution.batch_shape):
+            raise NotImplementedError(
+                "per-datum sites (datum_inputs) condition on inputs (k, D) and targets of the latents' batch shape "
+                f"{tuple(distribution.batch_shape)} only; use u-space sites (no datum_inputs) for batched fantasies."
+            )
+        with torch.no_grad():
+            statistics = self.site_statistics(x)
+            if noise is not None or isinstance(likelihood, GaussianLikelihood):
+                # Closed form (what site_targets gives, without a sample batch in the precisions).
+                if noise is None:
+                    noise = likelihood.noise.double()[..., :1]
+                precision = noise.reciprocal().to(y.dtype)
+                first_target = (y - statistics.prior_mean) * precision
+                second_target = precision.expand(torch.broadcast_shapes(precision.shape, statistics.variance.shape))
+            else:
+                first_target, second_target = self.site_targets(likelihood, y, statistics)
+            fantasy = fantasy_copy(self.model, likelihood)
+            fantasy_sites = fantasy.variational_strategy._variational_distribution
+            if distribution.per_datum:
+                fantasy_sites.append_datum_sites(x, first_target, second_target)
+            else:
+                # a_i = K_uu^{-1} k_ui = L_K^{-T} w_i
+                projections = solve_lower_transpose(statistics.factors.prior_cholesky, statistics.whitened_cross)
+                mean_increment = (projections @ first_target.unsqueeze(-1)).squeeze(-1)
+                fantasy_sites.add_sites(mean_increment, weighted_gram(projections, second_target))
+        return fantasy
 
     def _site_statistics(
         self,

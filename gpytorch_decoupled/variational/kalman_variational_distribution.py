@@ -67,11 +67,21 @@ class KalmanVariationalDistribution(VariationalDistributionBase):
 
     @torch.no_grad()
     def absorb(self, information_vector: Tensor, information_matrix: Tensor, bound: Tensor, count: int) -> None:
-        """Adds one mini-batch's (finite, already validated) increments; nothing here can fail half-way."""
-        self.information_vector.add_(information_vector)
-        self.information_matrix.add_(information_matrix)
-        self.bound.add_(bound)
+        """Adds one mini-batch's (finite, already validated) increments; nothing here can fail half-way.
+
+        Increments with batch dimensions beyond the state's (a fantasy batch) enlarge its batch shape: each sum then
+        has its own broadcast shape, so the matrix keeps the batch shape of the inputs rather than that of a sample
+        batch of targets (BoTorch's fantasies share their inputs)."""
+        increments = dict(zip(_STATE_BUFFERS, (information_vector, information_matrix, bound)))
+        shapes = {name: torch.broadcast_shapes(getattr(self, name).shape, v.shape) for name, v in increments.items()}
+        for name, value in increments.items():
+            current = getattr(self, name)
+            if shapes[name] == current.shape:
+                current.add_(value)
+            else:
+                setattr(self, name, current + value)
         self.num_observed.add_(count)
+        self.batch_shape = torch.broadcast_shapes(self.batch_shape, shapes["bound"])
 
     def _apply(self, fn: Callable[[Tensor], Tensor], *args, **kwargs):
         saved = {name: self._buffers[name] for name in _STATE_BUFFERS}

@@ -13,6 +13,7 @@ from torch import Tensor
 from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower, symmetrized
 from ..validation import check_targets, check_tensor
 from ._direct_variational_strategy import _DirectVariationalStrategy
+from ._fantasies import checked_fantasy_data, fantasy_copy
 from ._kalman_terms import (
     KalmanIncrements,
     KalmanStatistics,
@@ -307,6 +308,74 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         self.attach_likelihood(likelihood, "KalmanVariationalStrategy.update")
         return psi.to(self.inducing_points.dtype)
 
+    def get_fantasy_model(
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        likelihood: GaussianLikelihood | None = None,
+        noise: Tensor | None = None,
+    ) -> ApproximateGP:
+        r"""
+        A new model whose state has absorbed the observations :math:`(\mathbf X_*, \mathbf y_*)` as well: exact
+        closed-form conditioning, the same information-form update as :meth:`update` (:math:`\tilde{\boldsymbol\eta}
+        \mathrel{+}= \mathbf K_{\mathbf u*}\mathbf V_*^{-1}(\mathbf y_* - \mu_0(\mathbf X_*))`,
+        :math:`\tilde{\boldsymbol\Lambda} \mathrel{+}= \mathbf K_{\mathbf u*}\mathbf V_*^{-1}\mathbf K_{*\mathbf u}`,
+        :ref:`derivations-information-form`) with no refit and no pass over the data absorbed before, so that the new
+        model's posterior is the model's batch posterior of all the data (for VFE, Titsias' collapsed posterior) and its
+        :attr:`recursive_bound` includes the new points' term. This model is left unchanged; the new one shares its
+        likelihood (GPyTorch's :meth:`~gpytorch.models.ApproximateGP.get_fantasy_model` calls this).
+
+        Targets with batch dimensions beyond the inputs' (``num_fantasies x batch x k``, as BoTorch's ``fantasize``
+        passes a sample batch) give a batched fantasy model whose predictions have that batch shape; the information
+        matrix, which does not depend on the targets, is kept once per batch of inputs.
+
+        **Cost.** :math:`O(kM^2)` for :math:`k` new points (their kernel columns and the rank-:math:`k` increment of the
+        information matrix; PITC adds :math:`O(k^3)` for the new block), plus the factorizations of
+        :math:`\mathbf K_{\mathbf{uu}} + \tilde{\boldsymbol\Lambda}` before and after (:math:`O(M^3)` once per
+        fantasy model and batch of inputs, independent of :math:`k` and of the number of fantasies), where a refit
+        costs :math:`O(nM^2)` over all :math:`n` points.
+
+        :param inputs: New inputs :math:`\mathbf X_*`, ``(..., k, D)`` (``(k,)`` for one input dimension).
+        :param targets: New targets :math:`\mathbf y_*`, ``(..., k)``.
+        :param likelihood: The Gaussian likelihood (default: the strategy's :attr:`likelihood`).
+        :param noise: The new observations' noise variances, broadcastable to the targets, in place of the
+            likelihood's :math:`\sigma^2` (BoTorch passes them for observations of known noise).
+        :return: The conditioned copy of the model.
+        :raises ValueError: On bad shapes, dtypes, devices, NaN/inf or noise, before anything is computed.
+        :raises NotImplementedError: If the strategy is inside a wrapper (the wrapper's model is what conditions).
+
+        Example:
+            >>> import gpytorch, torch
+            >>> from gpytorch_decoupled.variational import KalmanVariationalStrategy
+            >>> class RecursiveGP(gpytorch.models.ApproximateGP):
+            ...     def __init__(self, inducing_points):
+            ...         super().__init__(KalmanVariationalStrategy(self, inducing_points))
+            ...         self.mean_module = gpytorch.means.ZeroMean()
+            ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+            ...     def forward(self, x):
+            ...         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+            >>> model, likelihood = RecursiveGP(torch.linspace(-3, 3, 15)), gpytorch.likelihoods.GaussianLikelihood()
+            >>> x = torch.linspace(-3, 3, 100)
+            >>> _ = model.variational_strategy.update(x, torch.sin(2 * x), likelihood)
+            >>> fantasy = model.get_fantasy_model(torch.tensor([0.5]), torch.randn(8, 1))  # 8 fantasies at x = 0.5
+            >>> fantasy.eval()(torch.tensor([0.5, 1.0])).mean.shape, fantasy.variational_strategy.num_observed
+            (torch.Size([8, 2]), 101)
+        """
+        if self.model.variational_strategy is not self:
+            raise NotImplementedError(
+                "get_fantasy_model conditions the model whose own variational_strategy this is; a strategy inside a "
+                "wrapper (multitask, LMC) has no fantasy models."
+            )
+        likelihood = self.resolved_likelihood(likelihood, "KalmanVariationalStrategy.get_fantasy_model")
+        x, y, noise, _ = checked_fantasy_data(self, inputs, targets, noise, likelihood)
+        with torch.no_grad():
+            terms, inducing_covariance = self.observation_terms(x, y, likelihood, noise, fantasy=True)
+            increments = self.increments(terms, self.bound_term(terms, inducing_covariance, *self.statistics))
+        fantasy = fantasy_copy(self.model, likelihood)
+        fantasy.variational_strategy.absorb(increments, x.size(-2))
+        fantasy.variational_strategy.attach_likelihood(likelihood, "KalmanVariationalStrategy.get_fantasy_model")
+        return fantasy
+
     # ------------------------------------------------------------------ the update protocol
     # update() is these steps in turn; the optimizers of gpytorch_decoupled.optim, the collapsed bound of
     # gpytorch_decoupled.mlls and the distributed helpers take them apart (gradients, several processes).
@@ -341,15 +410,24 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         return x, y
 
     def observation_terms(
-        self, x: Tensor, y: Tensor, likelihood: GaussianLikelihood | None = None
+        self,
+        x: Tensor,
+        y: Tensor,
+        likelihood: GaussianLikelihood | None = None,
+        noise: Tensor | None = None,
+        fantasy: bool = False,
     ) -> tuple[ObservationTerms, Tensor]:
         r"""
         A validated mini-batch's likelihood in the transformed coordinates (:class:`ObservationTerms`, whose
         ``information_vector`` and ``information_matrix`` are its increments of the state) and the jittered float64
         :math:`\mathbf K_{\mathbf{uu}}`, from one evaluation of the prior at :math:`[\mathbf Z; \mathbf x]`;
         differentiable in the hyperparameters outside ``torch.no_grad``.
+
+        :param noise: One noise variance per point, ``(..., B)``, in place of the likelihood's :math:`\sigma^2`
+            (observations with known noise, as BoTorch passes them to fantasies).
+        :param fantasy: Whether ``x`` and ``y`` may have batch dimensions beyond the latents' (fantasies).
         """
-        prior = self._joint_prior(x)
+        prior = self._joint_prior(x, predictive=fantasy)
         inducing_covariance = self._jittered(prior.covariance(0, 0).to_dense().double())
         cross_covariance = prior.covariance(0, 1).to_dense().double()
         data_block = prior.covariance(1, 1)
@@ -365,7 +443,7 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
             cross_covariance,
             data_covariance,
             residual,
-            self.noise_variance(likelihood),
+            self.noise_variance(likelihood).unsqueeze(-1) if noise is None else noise.double(),
         )
         return terms, inducing_covariance
 
@@ -535,7 +613,12 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         if self.training and torch.is_grad_enabled() and self.num_observed == 0:
             raise RuntimeError(_PRIOR_IN_TRAINING)
         prior = self._joint_prior(x, predictive=True, **kwargs)
-        inducing_covariance = self._jittered(prior.covariance(0, 0).to_dense().double())
+        if x.shape[:-2] == self.inducing_points.shape[:-2]:
+            inducing_covariance = self._jittered(prior.covariance(0, 0).to_dense().double())
+        else:
+            # Inputs with batch dimensions of their own: K_uu (and the factors) keep the state's batch shape rather
+            # than being expanded to the inputs' and factorized once per batch member.
+            inducing_covariance = self._inducing_prior()[0]
         cross_covariance = prior.covariance(0, 1).to_dense().double()
         data_covariance = prior.covariance(1, 1)
 
@@ -548,10 +631,14 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         if diag and self.training:
             correction = posterior_root.square().sum(-2) - prior_root.square().sum(-2)
             variance = data_covariance.diagonal(dim1=-2, dim2=-1) + correction.to(dtype)
-            return MultivariateNormal(mean, DiagLinearOperator(variance))
+            return MultivariateNormal(mean, DiagLinearOperator(variance.expand(mean.shape)))
+        # A fantasy state's factor may have a batch shape (of its inputs) that the prior's does not.
+        shape = torch.broadcast_shapes(prior_root.shape, posterior_root.shape)
+        prior_root, posterior_root = prior_root.expand(shape), posterior_root.expand(shape)
         left = torch.cat([posterior_root, prior_root.neg()], dim=-2).mT.to(dtype)
         right = torch.cat([posterior_root, prior_root], dim=-2).to(dtype)
-        return MultivariateNormal(mean, data_covariance + MatmulLinearOperator(left, right))
+        covariance = data_covariance + MatmulLinearOperator(left, right)
+        return MultivariateNormal(mean, covariance.expand(*mean.shape[:-1], *covariance.shape[-2:]))
 
 
 # Raised by a training forward pass with gradients while nothing is absorbed: gradient steps never move q(u) here, so a

@@ -63,7 +63,33 @@ def dual_strategy(model, inducing_points, variational_distribution, learn_induci
 
 class TestDualContract(DecoupledStrategyContractTestCase, unittest.TestCase):
     """GPyTorch's contract plus the package's (state, copies, dtype, prior, wrappers); the decoupled families' extras
-    hold for t-SVGP too: every factorization is an explicit Cholesky (no CG) and there is no fantasy model."""
+    hold for t-SVGP too: every factorization is an explicit Cholesky (no CG). Its fantasy models differ from
+    GPyTorch's by design (see test_fantasy_call)."""
+
+    def test_fantasy_call(
+        self, data_batch_shape=None, inducing_batch_shape=None, model_batch_shape=None, expected_batch_shape=None
+    ):
+        """GPyTorch's test expects the ExactGP of its online variational conditioning (Maddox et al. 2021), built from
+        pseudo-points with a ``mean_module``/``covar_module`` of choice. t-SVGP conditions exactly in closed form
+        instead: the fantasy model is a copy of the same model with the new points' sites added (values checked
+        against the dense posterior in ``test_fantasy_models.py``). Here: GPyTorch's batch-shape cases, its data and its
+        model's ``likelihood`` attribute, with the batch shapes it expects, and the original model unchanged."""
+        model_batch_shape = self.batch_shape if model_batch_shape is None else model_batch_shape
+        model, likelihood = self._make_model_and_likelihood(
+            batch_shape=model_batch_shape,
+            inducing_batch_shape=self.batch_shape if inducing_batch_shape is None else inducing_batch_shape,
+            distribution_cls=self.distribution_cls,
+            strategy_cls=self.strategy_cls,
+        )
+        model.likelihood = likelihood
+        before = state_snapshot(model)
+        data_batch_shape = self.batch_shape if data_batch_shape is None else data_batch_shape
+        x = torch.randn(*data_batch_shape, 10, 2).clamp(-2.5, 2.5)
+        fantasy = model.get_fantasy_model(x, torch.linspace(-1, 1, 10).expand(*data_batch_shape, 10))
+        self.assertIs(type(fantasy), type(model))
+        assert_same_state(model, before)
+        expected_batch_shape = self.batch_shape if expected_batch_shape is None else expected_batch_shape
+        self.assertEqual(fantasy.eval()(torch.randn(5, 2)).mean.shape, torch.Size([*expected_batch_shape, 5]))
 
     @property
     def distribution_cls(self):
