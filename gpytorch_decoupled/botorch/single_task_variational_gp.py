@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
 from botorch.models import SingleTaskVariationalGP as BoTorchSingleTaskVariationalGP
+from botorch.models.model import FantasizeMixin
 from botorch.models.transforms.input import InputTransform
 from botorch.models.transforms.outcome import OutcomeTransform
 from botorch.models.utils.gpytorch_modules import get_covar_module_with_dim_scaled_prior
@@ -13,6 +15,7 @@ from gpytorch.likelihoods import Likelihood
 from gpytorch.means import Mean
 from gpytorch.variational import VariationalStrategy
 from torch import Tensor
+from typing_extensions import Self
 
 from ..variational import (
     DecoupledVariationalDistribution,
@@ -34,7 +37,7 @@ _MEAN_BASIS_STRATEGIES = (
 )
 
 
-class SingleTaskVariationalGP(BoTorchSingleTaskVariationalGP):
+class SingleTaskVariationalGP(BoTorchSingleTaskVariationalGP, FantasizeMixin):
     r"""
     BoTorch's :class:`~botorch.models.SingleTaskVariationalGP` with any strategy of this package: pass the strategy
     class as ``variational_strategy`` and everything else as to BoTorch's. What BoTorch cannot know is filled in:
@@ -135,6 +138,30 @@ class SingleTaskVariationalGP(BoTorchSingleTaskVariationalGP):
         # BoTorch's fit_gpytorch_mll(mll) calls mll.model.custom_fit where there is one (a function, not a bound
         # method: BoTorch passes the mll, and copies of the model keep it).
         self.model.custom_fit = fit_variational_mll
+
+    def get_fantasy_model(self, inputs: Tensor, targets: Tensor, noise: Tensor | None = None) -> Self:
+        r"""
+        A copy of the model conditioned on new observations by the strategy's closed-form conditioning
+        (:meth:`KalmanVariationalStrategy.get_fantasy_model
+        <gpytorch_decoupled.variational.KalmanVariationalStrategy.get_fantasy_model>`, :meth:`DualVariationalStrategy.
+        get_fantasy_model <gpytorch_decoupled.variational.DualVariationalStrategy.get_fantasy_model>`; exact for a
+        Gaussian likelihood), with no refit; what BoTorch's ``condition_on_observations`` and ``fantasize`` call (with
+        the inputs and targets transformed), so that lookahead acquisition functions (e.g. ``qKnowledgeGradient``)
+        work. The copy shares the likelihood; its batch shape is that of the fantasies (e.g. ``num_fantasies x
+        batch``). The other strategies raise a ``NotImplementedError`` that names these two.
+
+        :param inputs: New inputs, ``(..., k, d)`` (transformed).
+        :param targets: New targets, ``(..., k)`` (transformed; one output).
+        :param noise: Their noise variances, broadcastable to the targets (BoTorch passes them for fixed noise).
+        :raises NotImplementedError: For several outputs, or a strategy without closed-form conditioning.
+        """
+        if self.num_outputs > 1:
+            raise NotImplementedError("fantasy models of several outputs (num_outputs > 1) are not supported yet.")
+        model = self.model.get_fantasy_model(inputs, targets, likelihood=self.likelihood, noise=noise)
+        # The wrapper's copy takes the conditioned GPyTorch model in place of its own and shares the likelihood.
+        fantasy = copy.deepcopy(self, {id(self.model): model, id(self.likelihood): self.likelihood})
+        fantasy._input_batch_shape = model.variational_strategy._variational_distribution.batch_shape
+        return fantasy
 
 
 def _allocated(

@@ -70,5 +70,9 @@ def checked_fantasy_data(
 
 
 def fantasy_copy(model: ApproximateGP, likelihood: Likelihood | None) -> ApproximateGP:
-    """A deep copy of ``model`` that shares ``likelihood`` with it (the fantasy model is used with the same one)."""
-    return copy.deepcopy(model, {} if likelihood is None else {id(likelihood): likelihood})
+    """A deep copy of ``model`` that shares ``likelihood`` with it (the fantasy model is used with the same one).
+    Buffers that carry an autograd graph (the state of a fantasy model: a fantasy of a fantasy, as in multi-step
+    lookahead) are cloned with their graph, which ``deepcopy`` cannot do."""
+    memo = {} if likelihood is None else {id(likelihood): likelihood}
+    memo.update({id(buffer): buffer.clone() for buffer in model.buffers() if buffer.grad_fn is not None})
+    return copy.deepcopy(model, memo)

@@ -101,22 +101,21 @@ class DualVariationalDistribution(VariationalDistributionBase):
         for site in self():
             site.zero_()
 
-    @torch.no_grad()
     def add_sites(self, site_mean: Tensor, site_precision: Tensor) -> None:
         r"""
         Adds new points' u-space sites :math:`\sum_i\mathbf a_i\lambda_{1,i}` and
         :math:`\sum_i\lambda_{2,i}\mathbf a_i\mathbf a_i^\top` (a fantasy, already validated). Sites with batch
         dimensions beyond the distribution's enlarge its batch shape: each sum then has its own broadcast shape, so
         that :math:`\mathbf L_2` keeps the batch shape of the inputs rather than that of a sample batch of targets.
+        Out of place, keeping the sites' autograd graph (BoTorch differentiates acquisition values through fantasies).
         """
         self._extend(site_mean=self.site_mean + site_mean, site_precision=self.site_precision + site_precision)
 
-    @torch.no_grad()
     def append_datum_sites(self, inputs: Tensor, site_mean: Tensor, site_precision: Tensor) -> None:
         r"""Appends new points ``(k, D)`` and their per-datum sites ``(..., k)`` (a fantasy, already validated)."""
         shape = self.batch_shape + self.datum_site_mean.shape[-1:]
         self._extend(
-            datum_inputs=torch.cat([self.datum_inputs, inputs.detach().to(self.datum_inputs)], dim=-2),
+            datum_inputs=torch.cat([self.datum_inputs, inputs.to(self.datum_inputs)], dim=-2),
             datum_site_mean=torch.cat([self.datum_site_mean.expand(shape), site_mean.to(self.datum_site_mean)], -1),
             datum_site_precision=torch.cat(
                 [self.datum_site_precision.expand(shape), site_precision.to(self.datum_site_precision)], -1

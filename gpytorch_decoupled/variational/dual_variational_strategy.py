@@ -553,26 +553,27 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
                 "per-datum sites (datum_inputs) condition on inputs (k, D) and targets of the latents' batch shape "
                 f"{tuple(distribution.batch_shape)} only; use u-space sites (no datum_inputs) for batched fantasies."
             )
-        with torch.no_grad():
+        if noise is not None or isinstance(likelihood, GaussianLikelihood):
+            # The targets in closed form (what site_targets gives, without a sample batch in the precisions), and
+            # differentiable in the inputs and targets (BoTorch differentiates acquisition values through fantasies).
+            # (the factors from K_uu alone, not from the joint prior with x: a factor kept for later predictions must
+            # not carry the graph of these inputs)
+            factors, prior_mean, _, whitened_cross, _ = self._marginals(x, self.posterior_factors())
+            precision = (likelihood.noise[..., :1] if noise is None else noise).to(y.dtype).reciprocal()
+            first_target = (y - prior_mean) * precision
+            second_target = precision.expand(torch.broadcast_shapes(precision.shape, prior_mean.shape))
+        else:
             statistics = self.site_statistics(x)
-            if noise is not None or isinstance(likelihood, GaussianLikelihood):
-                # Closed form (what site_targets gives, without a sample batch in the precisions).
-                if noise is None:
-                    noise = likelihood.noise.double()[..., :1]
-                precision = noise.reciprocal().to(y.dtype)
-                first_target = (y - statistics.prior_mean) * precision
-                second_target = precision.expand(torch.broadcast_shapes(precision.shape, statistics.variance.shape))
-            else:
-                first_target, second_target = self.site_targets(likelihood, y, statistics)
-            fantasy = fantasy_copy(self.model, likelihood)
-            fantasy_sites = fantasy.variational_strategy._variational_distribution
-            if distribution.per_datum:
-                fantasy_sites.append_datum_sites(x, first_target, second_target)
-            else:
-                # a_i = K_uu^{-1} k_ui = L_K^{-T} w_i
-                projections = solve_lower_transpose(statistics.factors.prior_cholesky, statistics.whitened_cross)
-                mean_increment = (projections @ first_target.unsqueeze(-1)).squeeze(-1)
-                fantasy_sites.add_sites(mean_increment, weighted_gram(projections, second_target))
+            factors, whitened_cross = statistics.factors, statistics.whitened_cross
+            first_target, second_target = self.site_targets(likelihood, y, statistics)
+        fantasy = fantasy_copy(self.model, likelihood)
+        fantasy_sites = fantasy.variational_strategy._variational_distribution
+        if distribution.per_datum:
+            fantasy_sites.append_datum_sites(x, first_target, second_target)
+        else:
+            projections = solve_lower_transpose(factors.prior_cholesky, whitened_cross)  # a_i = L_K^{-T} w_i
+            mean_increment = (projections @ first_target.unsqueeze(-1)).squeeze(-1)
+            fantasy_sites.add_sites(mean_increment, weighted_gram(projections, second_target))
         return fantasy
 
     def _site_statistics(

@@ -67,21 +67,26 @@ class KalmanVariationalDistribution(VariationalDistributionBase):
 
     @torch.no_grad()
     def absorb(self, information_vector: Tensor, information_matrix: Tensor, bound: Tensor, count: int) -> None:
-        """Adds one mini-batch's (finite, already validated) increments; nothing here can fail half-way.
-
-        Increments with batch dimensions beyond the state's (a fantasy batch) enlarge its batch shape: each sum then
-        has its own broadcast shape, so the matrix keeps the batch shape of the inputs rather than that of a sample
-        batch of targets (BoTorch's fantasies share their inputs)."""
-        increments = dict(zip(_STATE_BUFFERS, (information_vector, information_matrix, bound)))
-        shapes = {name: torch.broadcast_shapes(getattr(self, name).shape, v.shape) for name, v in increments.items()}
-        for name, value in increments.items():
-            current = getattr(self, name)
-            if shapes[name] == current.shape:
-                current.add_(value)
-            else:
-                setattr(self, name, current + value)
+        """Adds one mini-batch's (finite, already validated) increments; nothing here can fail half-way."""
+        self.information_vector.add_(information_vector)
+        self.information_matrix.add_(information_matrix)
+        self.bound.add_(bound)
         self.num_observed.add_(count)
-        self.batch_shape = torch.broadcast_shapes(self.batch_shape, shapes["bound"])
+
+    def add_fantasy(self, information_vector: Tensor, information_matrix: Tensor, bound: Tensor, count: int) -> None:
+        """Adds a fantasy's (finite, already validated) increments out of place, keeping their autograd graph (BoTorch
+        differentiates acquisition values through fantasies). Increments with batch dimensions beyond the state's (a
+        sample batch of targets) enlarge its batch shape: each sum has its own broadcast shape, so that the matrix
+        keeps the batch shape of the inputs."""
+        sums = {
+            "information_vector": self.information_vector + information_vector,
+            "information_matrix": self.information_matrix + information_matrix,
+            "bound": self.bound + bound,
+        }
+        for name, value in sums.items():
+            setattr(self, name, value)
+        self.num_observed.add_(count)
+        self.batch_shape = torch.broadcast_shapes(self.batch_shape, sums["bound"].shape)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], *args, **kwargs):
         saved = {name: self._buffers[name] for name in _STATE_BUFFERS}

@@ -368,11 +368,11 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
             )
         likelihood = self.resolved_likelihood(likelihood, "KalmanVariationalStrategy.get_fantasy_model")
         x, y, noise, _ = checked_fantasy_data(self, inputs, targets, noise, likelihood)
-        with torch.no_grad():
-            terms, inducing_covariance = self.observation_terms(x, y, likelihood, noise, fantasy=True)
-            increments = self.increments(terms, self.bound_term(terms, inducing_covariance, *self.statistics))
+        terms, inducing_covariance = self.observation_terms(x, y, likelihood, noise, fantasy=True)
+        psi = self.bound_term(terms, inducing_covariance, *self.statistics)
+        increments = self.increments(terms, psi, keep_graph=True)
         fantasy = fantasy_copy(self.model, likelihood)
-        fantasy.variational_strategy.absorb(increments, x.size(-2))
+        fantasy.variational_strategy._variational_distribution.add_fantasy(*increments, x.size(-2))
         fantasy.variational_strategy.attach_likelihood(likelihood, "KalmanVariationalStrategy.get_fantasy_model")
         return fantasy
 
@@ -458,13 +458,14 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         return bound_term(inducing_covariance, information_vector, information_matrix, terms)
 
     @staticmethod
-    def increments(terms: ObservationTerms, psi: Tensor) -> KalmanIncrements:
-        r"""A mini-batch's detached increments of the state and its bound term :math:`\psi_k`, checked to be finite.
+    def increments(terms: ObservationTerms, psi: Tensor, keep_graph: bool = False) -> KalmanIncrements:
+        r"""A mini-batch's increments of the state and its bound term :math:`\psi_k`, checked to be finite; detached
+        unless ``keep_graph`` (fantasies, through which BoTorch differentiates).
 
         :raises RuntimeError: If any of them is NaN or inf (the state is then left as it was)."""
-        increments = KalmanIncrements(
-            terms.information_vector.detach(), symmetrized(terms.information_matrix.detach()), psi.detach()
-        )
+        increments = KalmanIncrements(terms.information_vector, symmetrized(terms.information_matrix), psi)
+        if not keep_graph:
+            increments = KalmanIncrements(*(increment.detach() for increment in increments))
         if not all(torch.isfinite(increment).all() for increment in increments):
             raise RuntimeError(
                 "the Kalman update produced NaN or inf (check the kernel hyperparameters and the noise); the state "
