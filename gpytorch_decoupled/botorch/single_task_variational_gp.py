@@ -141,14 +141,13 @@ class SingleTaskVariationalGP(BoTorchSingleTaskVariationalGP, FantasizeMixin):
 
     def get_fantasy_model(self, inputs: Tensor, targets: Tensor, noise: Tensor | None = None) -> Self:
         r"""
-        A copy of the model conditioned on new observations by the strategy's closed-form conditioning
-        (:meth:`KalmanVariationalStrategy.get_fantasy_model
-        <gpytorch_decoupled.variational.KalmanVariationalStrategy.get_fantasy_model>`, :meth:`DualVariationalStrategy.
-        get_fantasy_model <gpytorch_decoupled.variational.DualVariationalStrategy.get_fantasy_model>`; exact for a
-        Gaussian likelihood), with no refit; what BoTorch's ``condition_on_observations`` and ``fantasize`` call (with
-        the inputs and targets transformed), so that lookahead acquisition functions (e.g. ``qKnowledgeGradient``)
-        work. The copy shares the likelihood; its batch shape is that of the fantasies (e.g. ``num_fantasies x
-        batch``). The other strategies raise a ``NotImplementedError`` that names these two.
+        A copy of the model conditioned on new observations by the strategy's closed-form conditioning (the
+        ``get_fantasy_model`` of :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` and
+        :class:`~gpytorch_decoupled.variational.DualVariationalStrategy`; exact for a Gaussian likelihood), with no
+        refit: what BoTorch's ``condition_on_observations`` and ``fantasize`` call (with the inputs and targets
+        transformed), so that lookahead acquisition functions (e.g. ``qKnowledgeGradient``) work. The copy shares the
+        likelihood; its batch shape is that of the fantasies (e.g. ``num_fantasies x batch``). The other strategies
+        raise a ``NotImplementedError`` that names these two.
 
         :param inputs: New inputs, ``(..., k, d)`` (transformed).
         :param targets: New targets, ``(..., k)`` (transformed; one output).
