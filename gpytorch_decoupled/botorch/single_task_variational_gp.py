@@ -138,6 +138,16 @@ class SingleTaskVariationalGP(BoTorchSingleTaskVariationalGP, FantasizeMixin):
         # BoTorch's fit_gpytorch_mll(mll) calls mll.model.custom_fit where there is one (a function, not a bound
         # method: BoTorch passes the mll, and copies of the model keep it).
         self.model.custom_fit = fit_variational_mll
+        if input_transform is not None:
+            # BoTorch's condition_on_observations appends the new inputs to the untransformed training inputs, which
+            # BoTorch's approximate model does not keep.
+            self._original_train_inputs = train_X
+
+    def condition_on_observations(self, X: Tensor, Y: Tensor, noise: Tensor | None = None, **kwargs) -> Self:
+        r"""BoTorch's, in eval mode (as :meth:`posterior` puts the model first): in training mode BoTorch's input and
+        outcome transforms would learn from the new observations, and the model would change."""
+        self.eval()
+        return super().condition_on_observations(X, Y, noise=noise, **kwargs)
 
     def get_fantasy_model(self, inputs: Tensor, targets: Tensor, noise: Tensor | None = None) -> Self:
         r"""

@@ -16,6 +16,7 @@ botorch = pytest.importorskip("botorch", reason="BoTorch is the optional botorch
 from botorch.acquisition import qKnowledgeGradient  # noqa: E402
 from botorch.acquisition.active_learning import qNegIntegratedPosteriorVariance  # noqa: E402
 from botorch.fit import fit_gpytorch_mll  # noqa: E402
+from botorch.models.transforms import Normalize, Standardize  # noqa: E402
 from botorch.optim import optimize_acqf  # noqa: E402
 from botorch.sampling import SobolQMCNormalSampler  # noqa: E402
 from gpytorch.mlls import VariationalELBO  # noqa: E402
@@ -42,17 +43,21 @@ def _data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (6 * x).sin().sum(-1, keepdim=True) + 0.05 * torch.randn(n, 1, generator=gen, dtype=F64)
 
 
-def _fitted(strategy_cls, x, y):
+def _fitted(strategy_cls, x, y, transforms: bool = False):
     torch.manual_seed(0)
-    model = SingleTaskVariationalGP(x, y, variational_strategy=strategy_cls, inducing_points=10)
+    transforms = {"input_transform": Normalize(2), "outcome_transform": Standardize(1)} if transforms else {}
+    model = SingleTaskVariationalGP(x, y, variational_strategy=strategy_cls, inducing_points=10, **transforms)
     fit_gpytorch_mll(VariationalELBO(model.likelihood, model.model, num_data=x.size(-2)), **FIT_KWARGS)
     return model
 
 
 def _posterior_of_all_the_data(model, x, y):
-    """The model at its hyperparameters with its state recomputed from all the data (Kalman: absorbed again; Dual: a
-    full-batch E-step with r = 1, Titsias' posterior for a Gaussian likelihood)."""
-    reference = copy.deepcopy(model)
+    """The model at its hyperparameters with its state recomputed from all the (transformed) data (Kalman: absorbed
+    again; Dual: a full-batch E-step with r = 1, Titsias' posterior for a Gaussian likelihood)."""
+    reference = copy.deepcopy(model).eval()
+    x = reference.transform_inputs(x)
+    if hasattr(reference, "outcome_transform"):
+        y, _ = reference.outcome_transform(y, X=x)
     strategy = reference.model.variational_strategy
     if isinstance(strategy, KalmanVariationalStrategy):
         strategy.reset()
@@ -62,10 +67,11 @@ def _posterior_of_all_the_data(model, x, y):
     return reference
 
 
+@pytest.mark.parametrize("transforms", [False, True], ids=["plain", "normalize-standardize"])
 @pytest.mark.parametrize("family", list(CONDITIONING))
-def test_condition_on_observations_is_the_posterior_of_all_the_data(family):
+def test_condition_on_observations_is_the_posterior_of_all_the_data(family, transforms):
     x, y = _data(30, seed=0)
-    model = _fitted(CONDITIONING[family], x, y)
+    model = _fitted(CONDITIONING[family], x, y, transforms)
     x_new, y_new = _data(4, seed=1)
     before = {name: value.clone() for name, value in model.state_dict().items()}
     conditioned = model.condition_on_observations(x_new, y_new)
