@@ -160,16 +160,20 @@ class SingleTaskVariationalGP(BoTorchSingleTaskVariationalGP, FantasizeMixin):
         raise a ``NotImplementedError`` that names these two.
 
         :param inputs: New inputs, ``(..., k, d)`` (transformed).
-        :param targets: New targets, ``(..., k)`` (transformed; one output).
+        :param targets: New targets, ``(..., k)`` (transformed), or ``(..., k, m)`` for ``m`` outputs (t-SVGP).
         :param noise: Their noise variances, broadcastable to the targets (BoTorch passes them for fixed noise).
-        :raises NotImplementedError: For several outputs, or a strategy without closed-form conditioning.
+        :raises NotImplementedError: For a strategy without closed-form conditioning, or several outputs of a Kalman
+            strategy.
         """
-        if self.num_outputs > 1:
-            raise NotImplementedError("fantasy models of several outputs (num_outputs > 1) are not supported yet.")
-        model = self.model.get_fantasy_model(inputs, targets, likelihood=self.likelihood, noise=noise)
+        # Several outputs are a batch of latents inside GPyTorch's independent multitask wrapper: its base conditions.
+        strategy = self.model.variational_strategy
+        strategy = getattr(strategy, "base_variational_strategy", strategy)
+        model = strategy.get_fantasy_model(inputs, targets, likelihood=self.likelihood, noise=noise)
         # The wrapper's copy takes the conditioned GPyTorch model in place of its own and shares the likelihood.
         fantasy = copy.deepcopy(self, {id(self.model): model, id(self.likelihood): self.likelihood})
-        fantasy._input_batch_shape = model.variational_strategy._variational_distribution.batch_shape
+        strategy = model.variational_strategy
+        latent_shape = getattr(strategy, "base_variational_strategy", strategy)._variational_distribution.batch_shape
+        fantasy._input_batch_shape = latent_shape[:-1] if self.num_outputs > 1 else latent_shape
         return fantasy
 
 

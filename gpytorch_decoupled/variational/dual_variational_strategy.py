@@ -5,7 +5,7 @@ from typing import NamedTuple
 import torch
 from gpytorch import settings
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
-from gpytorch.likelihoods import GaussianLikelihood, Likelihood
+from gpytorch.likelihoods import GaussianLikelihood, Likelihood, MultitaskGaussianLikelihood
 from gpytorch.models import ApproximateGP
 from gpytorch.utils.memoize import cached
 from gpytorch.variational import IndependentMultitaskVariationalStrategy
@@ -22,6 +22,7 @@ from ..linalg import (
     weighted_gram,
     whitened_kl,
 )
+from ..validation import check_tensor
 from ._direct_variational_strategy import _DirectVariationalStrategy
 from ._fantasies import checked_fantasy_data, fantasy_copy
 from ._strategy_multivariate_normal import _StrategyMultivariateNormal
@@ -510,8 +511,10 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
         :return: The conditioned copy of the model.
         :raises ValueError: On bad shapes, dtypes, devices, NaN/inf or noise, or without a likelihood, before anything
             is computed.
-        :raises NotImplementedError: If the strategy is inside a wrapper, or for per-datum sites with batched inputs
-            or targets.
+        :raises NotImplementedError: If the strategy is inside a wrapper other than an independent multitask one with
+            tasks in the last latent dimension (whose targets are ``(..., k, T)``, with a
+            :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood` without correlated noise), or for per-datum
+            sites with batched inputs or targets.
 
         Example:
             >>> import gpytorch, torch
@@ -532,13 +535,12 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
             >>> fantasy.eval()(torch.tensor([0.5, 1.0])).mean.shape
             torch.Size([8, 2])
         """
-        if self.model.variational_strategy is not self:
-            raise NotImplementedError(
-                "get_fantasy_model conditions the model whose own variational_strategy this is; a strategy inside a "
-                "wrapper (multitask, LMC) has no fantasy models."
-            )
         if likelihood is None:
             likelihood = getattr(self.model, "likelihood", None)
+        wrapper = self.model.variational_strategy
+        if wrapper is not self:
+            inputs, targets, noise = self._latent_fantasy_data(wrapper, inputs, targets, likelihood, noise)
+            likelihood = None
         if likelihood is None and noise is None:
             raise ValueError(
                 "DualVariationalStrategy.get_fantasy_model needs the likelihood of the new observations: pass "
@@ -567,7 +569,10 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
             factors, whitened_cross = statistics.factors, statistics.whitened_cross
             first_target, second_target = self.site_targets(likelihood, y, statistics)
         fantasy = fantasy_copy(self.model, likelihood)
-        fantasy_sites = fantasy.variational_strategy._variational_distribution
+        fantasy_strategy = fantasy.variational_strategy
+        fantasy_sites = getattr(
+            fantasy_strategy, "base_variational_strategy", fantasy_strategy
+        )._variational_distribution
         if distribution.per_datum:
             fantasy_sites.append_datum_sites(x, first_target, second_target)
         else:
@@ -575,6 +580,46 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
             mean_increment = (projections @ first_target.unsqueeze(-1)).squeeze(-1)
             fantasy_sites.add_sites(mean_increment, weighted_gram(projections, second_target))
         return fantasy
+
+    def _latent_fantasy_data(
+        self, wrapper, inputs: Tensor, targets: Tensor, likelihood: Likelihood | None, noise: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        r"""
+        The fantasy data of an :class:`~gpytorch.variational.IndependentMultitaskVariationalStrategy` (tasks in the last
+        latent dimension, as BoTorch builds several outputs) in the latents' form: targets ``(..., k, T)`` become
+        ``(..., T, k)``, the inputs are shared by the latents, and the noise of each task is that of a
+        :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood` without correlated task noise (or ``noise``,
+        ``(..., k, T)``).
+        """
+        independent = isinstance(wrapper, IndependentMultitaskVariationalStrategy)
+        if not (independent and wrapper.base_variational_strategy is self and wrapper.task_dim == -1):
+            raise NotImplementedError(
+                "get_fantasy_model conditions the model whose own variational_strategy this is, or the base of an "
+                "IndependentMultitaskVariationalStrategy with task_dim=-1; not the base of another wrapper (LMC)."
+            )
+        check_tensor(inputs, "inputs")
+        check_tensor(targets, "targets")
+        if targets.dim() < 2 or targets.size(-1) != wrapper.num_tasks:
+            raise ValueError(
+                f"targets must be (..., k, {wrapper.num_tasks}) for the tasks, got {tuple(targets.shape)}."
+            )
+        if noise is None:
+            if not isinstance(likelihood, MultitaskGaussianLikelihood) or likelihood.rank != 0:
+                raise NotImplementedError(
+                    "fantasies of several tasks need a MultitaskGaussianLikelihood without correlated task noise "
+                    f"(rank=0), or noise=..., got {type(likelihood).__name__}."
+                )
+            noise = torch.zeros((), dtype=targets.dtype, device=targets.device)
+            if likelihood.has_global_noise:
+                noise = noise + likelihood.noise
+            if likelihood.has_task_noise:
+                noise = noise + likelihood.task_noises
+            noise = noise.expand(wrapper.num_tasks).unsqueeze(-1)
+        else:
+            check_tensor(noise, "noise")
+            noise = noise.movedim(-1, -2) if noise.dim() >= 2 else noise
+        inputs = inputs.unsqueeze(-1) if inputs.dim() == 1 else inputs
+        return inputs.unsqueeze(-3), targets.movedim(-1, -2), noise
 
     def _site_statistics(
         self,

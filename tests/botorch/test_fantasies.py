@@ -120,3 +120,30 @@ def test_families_without_conditioning_say_which_have_it():
     model = SingleTaskVariationalGP(x, y, variational_strategy=HybridVariationalStrategy, inducing_points=10)
     with pytest.raises(NotImplementedError, match="KalmanVariationalStrategy and DualVariationalStrategy"):
         model.condition_on_observations(*_data(2, seed=1))
+
+
+def test_several_outputs_of_the_dual_strategy_condition_on_observations():
+    """m = 2 outputs (BoTorch's batch of latents inside an independent multitask wrapper): the conditioned posterior is
+    that of all the data; fantasies have BoTorch's shapes. Kalman's fit of several outputs is not supported."""
+    x, y = _data(30, seed=0)
+    y = torch.cat([y, (3 * x).cos().sum(-1, keepdim=True)], -1)
+    torch.manual_seed(0)
+    model = SingleTaskVariationalGP(x, y, variational_strategy=DualVariationalStrategy, inducing_points=10)
+    fit_gpytorch_mll(VariationalELBO(model.likelihood, model.model, num_data=x.size(-2)), **FIT_KWARGS)
+    # (the fit's sites of several outputs are not quite the converged E-step at its last hyperparameters: one more
+    # makes the state the posterior of the data, which conditioning then extends)
+    DualEStep(model.model, model.likelihood, num_data=x.size(0)).step(x, y)
+    x_new, _ = _data(4, seed=1)
+    y_new = torch.randn(4, 2, generator=torch.Generator().manual_seed(3), dtype=F64)
+    conditioned = model.condition_on_observations(x_new, y_new)
+    reference = copy.deepcopy(model).eval()
+    all_x, all_y = torch.cat([x, x_new]), torch.cat([y, y_new])
+    DualEStep(reference.model, reference.likelihood, num_data=all_x.size(0)).step(all_x, all_y)
+    x_test, _ = _data(7, seed=2)
+    actual, expected = conditioned.posterior(x_test), reference.posterior(x_test)
+    assert actual.mean.shape == (7, 2)
+    assert (actual.mean - expected.mean).abs().max() <= 1e-9
+    assert (actual.variance - expected.variance).abs().max() <= 1e-9
+    fantasy = model.fantasize(torch.rand(5, 1, 2, dtype=F64), SobolQMCNormalSampler(torch.Size([3])))
+    assert fantasy.batch_shape == torch.Size([3, 5])
+    assert fantasy.posterior(torch.rand(4, 2, dtype=F64)).mean.shape == torch.Size([3, 5, 4, 2])
