@@ -42,8 +42,13 @@ def make_step(config: str, train_x, train_y, inducing, mean_inducing):
     elif family == "ours-orthnat":
         from benchmarks.methods.orthogonal_method import OrthogonalMethod
 
+        # Plain Adam on a_gamma: compile_training_step's lean path takes Adam and NGD only, not MeanBasisAdam.
         method = OrthogonalMethod(
-            train_x, train_y, num_inducing=inducing.size(0), num_mean_inducing=mean_inducing.size(0)
+            train_x,
+            train_y,
+            num_inducing=inducing.size(0),
+            num_mean_inducing=mean_inducing.size(0),
+            mean_rule="adam",
         )
         strategy = method.model.variational_strategy
         with torch.no_grad():  # the shared inducing inputs (the method draws its own with the same seed)
