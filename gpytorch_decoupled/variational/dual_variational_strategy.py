@@ -447,18 +447,16 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
         :raises RuntimeError: If they are not finite.
         """
         mean = statistics.prior_mean + statistics.centred_mean
-        if task_dim is None:
-            mean = mean.expand(torch.broadcast_shapes(mean.shape, y.shape))
-        mean = mean.clone().requires_grad_(True)
-        variance = statistics.variance.expand(mean.shape).clone().requires_grad_(True)
-        with torch.enable_grad():
-            marginals = MultivariateNormal(mean, DiagLinearOperator(variance))
-            if task_dim is not None:
-                marginals = MultitaskMultivariateNormal.from_batch_mvn(marginals, task_dim=task_dim)
-            samples = num_likelihood_samples or settings.num_likelihood_samples.value()
-            with settings.num_likelihood_samples(samples):
-                expected_log_prob = likelihood.expected_log_prob(y, marginals)
-            mean_gradient, variance_gradient = torch.autograd.grad(expected_log_prob.sum(), [mean, variance])
+        if type(likelihood) is GaussianLikelihood and task_dim is None:
+            # VE_i = -((y_i - mu_i)^2 + v_i) / (2 sigma^2) - log(2 pi sigma^2) / 2 (GaussianLikelihood's
+            # expected_log_prob): its derivatives in closed form, without an autograd pass through it
+            noise = likelihood.noise
+            mean_gradient = (y - mean) / noise
+            variance_gradient = (-0.5 / noise).expand(mean_gradient.shape)
+        else:
+            mean_gradient, variance_gradient = _expected_log_prob_gradients(
+                likelihood, y, mean, statistics.variance, task_dim, num_likelihood_samples
+            )
         curvature = (-2.0 * variance_gradient).clamp_min(min_curvature)
         first_target = curvature * statistics.centred_mean + mean_gradient
         if not (torch.isfinite(first_target).all() and torch.isfinite(curvature).all()):
@@ -650,3 +648,28 @@ _PRIOR_IN_TRAINING = (
     "e_step.step(x_batch, y_batch) in it, after loss.backward() and before optimizer.step() (t-SVGP's algorithm), or "
     "fit with BoTorch's fit_gpytorch_mll and gpytorch_decoupled.botorch.SingleTaskVariationalGP."
 )
+
+
+def _expected_log_prob_gradients(
+    likelihood: Likelihood,
+    y: Tensor,
+    mean: Tensor,
+    variance: Tensor,
+    task_dim: int | None,
+    num_likelihood_samples: int | None,
+) -> tuple[Tensor, Tensor]:
+    r""":math:`\partial\mathrm{VE}_i/\partial\mu_i` and :math:`\partial\mathrm{VE}_i/\partial v_i` of the likelihood's
+    ``expected_log_prob`` at the marginals :math:`\mathcal N(\mu_i, v_i)`, by autograd."""
+    if task_dim is None:
+        mean = mean.expand(torch.broadcast_shapes(mean.shape, y.shape))
+    mean = mean.clone().requires_grad_(True)
+    variance = variance.expand(mean.shape).clone().requires_grad_(True)
+    with torch.enable_grad():
+        marginals = MultivariateNormal(mean, DiagLinearOperator(variance))
+        if task_dim is not None:
+            marginals = MultitaskMultivariateNormal.from_batch_mvn(marginals, task_dim=task_dim)
+        samples = num_likelihood_samples or settings.num_likelihood_samples.value()
+        with settings.num_likelihood_samples(samples):
+            expected_log_prob = likelihood.expected_log_prob(y, marginals)
+        mean_gradient, variance_gradient = torch.autograd.grad(expected_log_prob.sum(), [mean, variance])
+    return mean_gradient, variance_gradient
