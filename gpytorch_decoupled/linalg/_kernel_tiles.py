@@ -54,8 +54,8 @@ def scaled_inputs(
     one batch dimension ``(B, n, d)``, ``(B, m, d)``, and the broadcast batch shape of the inputs and the vectors
     ``batch_operands`` (whose last dimension is not batch).
     """
-    # The mean of no points is NaN: without columns, center on the rows.
-    center = (x2 if x2.size(-2) > 0 else x1).mean(dim=-2, keepdim=True)
+    # The mean of no points is NaN: without columns, center on the rows. Detached: its gradients cancel exactly.
+    center = (x2 if x2.size(-2) > 0 else x1).mean(dim=-2, keepdim=True).detach()
     x, z = (x1 - center) / lengthscale, (x2 - center) / lengthscale
     batch_shape = torch.broadcast_shapes(
         x.shape[:-2], z.shape[:-2], *(operand.shape[:-1] for operand in batch_operands)

@@ -1,81 +1,139 @@
 #!/usr/bin/env python3
+r"""
+The fused bilinear form :math:`q = s\,\mathbf u^\top\mathbf F\mathbf v` of a squared-distance kernel block, one value
+per batch element, in one sweep of cache-sized tiles, as a PyTorch operator (:func:`torch.library.custom_op`): eager
+code and :func:`torch.compile` graphs (the lean training path, :mod:`gpytorch_decoupled.training`) call the same
+sweep, which a compiled graph keeps as one opaque call instead of tracing (and breaking on) its loop over tiles.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
-from ._kernel_tiles import KernelTiles, bilinear_sums, flatten_batch, scaled_inputs, unflatten_batch
+from ._kernel_tiles import KernelTiles, bilinear_sums, flatten_batch, scaled_inputs
 
 
-class _SquaredDistanceQuadraticForm(torch.autograd.Function):
+def squared_distance_quadratic_form(
+    x1: Tensor,  # shape: (*batch, n, d)
+    x2: Tensor,  # shape: (*batch, m, d)
+    u: Tensor,  # shape: (*batch, n)
+    v: Tensor,  # shape: (*batch, m)
+    lengthscale: Tensor,
+    outputscale: Tensor | None,
+    profile: str,
+    symmetric: bool,
+) -> Tensor:  # shape: (*batch)
     r"""
     :math:`q = s\,\mathbf u^\top\mathbf F\mathbf v` for the block :math:`F_{ij} = f(\lVert\mathbf x_i -
-    \mathbf z_j\rVert^2)` of scaled inputs (as in :class:`~gpytorch_decoupled.linalg._squared_distance_kernel_matvec.
-    _SquaredDistanceKernelMatvec`), one value per batch element, in one sweep of cache-sized tiles.
+    \mathbf z_j\rVert^2)` of the scaled inputs :math:`\mathbf x_i = (\mathbf x^{(1)}_i - \mathbf c) /
+    \boldsymbol\ell`, :math:`\mathbf z_j = (\mathbf x^{(2)}_j - \mathbf c) / \boldsymbol\ell` (:math:`\mathbf c` the
+    mean of :math:`\mathbf x^{(2)}`, which leaves the distances unchanged and carries no gradient), a profile :math:`f`
+    of :data:`~gpytorch_decoupled.linalg._kernel_tiles.PROFILES` and an optional output scale :math:`s`; all
+    arguments broadcast over batch dimensions.
 
-    The result is a scalar per batch element, so its gradients with respect to every input are computed in the same
-    sweep as the value, when autograd will need them, and the backward pass only scales them by the incoming
-    gradient: the block is evaluated once per step. With ``symmetric=True`` the caller guarantees
-    :math:`\mathbf x^{(1)} = \mathbf x^{(2)}` and :math:`\mathbf u = \mathbf v` (in value; they may be different
-    tensors), and only the tiles on and above the diagonal are evaluated, half the work of the full block. Each of the
-    two inputs then receives the gradient of one side (together the gradient of the points), and so do
-    :math:`\mathbf u` and :math:`\mathbf v` (:math:`s\,\mathbf F\mathbf v` each).
+    The result is a scalar per batch element, so its gradients with respect to the scaled inputs and to
+    :math:`\mathbf u, \mathbf v` are reduced in the same sweep as the value, when autograd will need them, and the
+    backward pass only scales them by the incoming gradient: the block is evaluated once per step. The scaling, the
+    centring and the output scale are ordinary differentiable operations around the sweep. With ``symmetric=True``
+    the caller guarantees :math:`\mathbf x^{(1)} = \mathbf x^{(2)}` and :math:`\mathbf u = \mathbf v` (in value;
+    they may be different tensors), and only the tiles on and above the diagonal are evaluated, half the work of the
+    full block; each of the two inputs then receives the gradient of one side (together the gradient of the points),
+    and so do :math:`\mathbf u` and :math:`\mathbf v` (:math:`s\,\mathbf F\mathbf v` each). Twice differentiating it
+    raises (the sweep's gradients are not themselves differentiable).
     """
+    scale_operand = () if outputscale is None else (outputscale.unsqueeze(-1),)
+    x, z, batch_shape = scaled_inputs(x1, x2, lengthscale, u, v, *scale_operand)
+    left, right = flatten_batch(u, batch_shape, 1), flatten_batch(v, batch_shape, 1)
+    recording = torch.is_grad_enabled()
+    needs = [recording and tensor.requires_grad for tensor in (x, z, right)]
+    value = _bilinear_sweep(x, z, left, right, profile, symmetric, *needs)[0].view(batch_shape)
+    return value if outputscale is None else value * outputscale
 
-    @staticmethod
-    def forward(
-        ctx,
-        x1: Tensor,
-        x2: Tensor,
-        u: Tensor,
-        v: Tensor,
-        lengthscale: Tensor,
-        outputscale: Tensor | None,
-        profile: str,
-        symmetric: bool,
-    ) -> Tensor:
-        scale_operand = () if outputscale is None else (outputscale.unsqueeze(-1),)
-        x, z, batch_shape = scaled_inputs(x1, x2, lengthscale, u, v, *scale_operand)
-        left, right = flatten_batch(u, batch_shape, 1), flatten_batch(v, batch_shape, 1)
-        if symmetric:
-            z, right = x, left
-        needs_x1, needs_x2, needs_u, needs_v, needs_lengthscale, *_ = ctx.needs_input_grad
-        needs_x, needs_z = needs_x1 or needs_lengthscale, needs_x2 or needs_lengthscale
-        tiles = KernelTiles(x, z, profile, symmetric=symmetric)
-        grad_x, grad_z, column_sums, row_sums = bilinear_sums(tiles, x, z, left, right, needs_x, needs_z, needs_v, True)
-        value = (left * row_sums).sum(-1)
-        ctx.profile, ctx.batch_shape = profile, batch_shape
-        ctx.shapes = x1.shape, x2.shape, u.shape, v.shape
-        ctx.save_for_backward(x, z, lengthscale, outputscale, value, grad_x, grad_z, column_sums, row_sums)
-        value = value.view(batch_shape)
-        return value if outputscale is None else value * outputscale
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: Tensor):
-        x, z, lengthscale, outputscale, value, grad_x, grad_z, column_sums, row_sums = ctx.saved_tensors
-        x1_shape, x2_shape, u_shape, v_shape = ctx.shapes
-        batch_shape = ctx.batch_shape
-        needs_x1, needs_x2, needs_u, needs_v, needs_lengthscale, needs_outputscale, *_ = ctx.needs_input_grad
-        grad_outputscale = None
-        if outputscale is not None:
-            if needs_outputscale:
-                grad_outputscale = (grad * value.view(batch_shape)).sum_to_size(outputscale.shape)
-            grad = grad * outputscale
-        weight = flatten_batch(grad.unsqueeze(-1), batch_shape, 1)  # shape: (B, 1)
-        scale = flatten_batch(lengthscale, batch_shape, 2)
+@torch.library.custom_op("gpytorch_decoupled::squared_distance_bilinear_sweep", mutates_args=())
+def _bilinear_sweep(
+    x: Tensor,  # shape: (B, n, d)
+    z: Tensor,  # shape: (B, m, d)
+    u: Tensor,  # shape: (B, n)
+    v: Tensor,  # shape: (B, m)
+    profile: str,
+    symmetric: bool,
+    needs_x: bool,
+    needs_z: bool,
+    needs_v: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    r"""
+    :math:`\mathbf u^\top\mathbf F\mathbf v` ``(B,)`` and, from the same sweep, the gradients with respect to ``x`` and
+    ``z`` (where asked for), :math:`\mathbf F\mathbf v` (always: the value needs it) and :math:`\mathbf F^\top\mathbf
+    u` (where asked for); an empty tensor in place of each one not computed, and of ``z``'s gradient and
+    :math:`\mathbf F^\top\mathbf u` when ``symmetric`` (they equal ``x``'s and :math:`\mathbf F\mathbf v`).
+    """
+    if symmetric:
+        z, v = x, u
+    tiles = KernelTiles(x, z, profile, symmetric=symmetric)
+    grad_x, grad_z, column_sums, row_sums = bilinear_sums(tiles, x, z, u, v, needs_x, needs_z, needs_v, True)
+    value = (u * row_sums).sum(-1)
+    if symmetric:
+        grad_z = column_sums = None
+    # An operator's outputs may not alias each other or its inputs: copies where bilinear_sums returned a view.
+    outputs = (value, grad_x, grad_z, row_sums, column_sums)
+    return tuple(x.new_empty(0) if tensor is None else tensor.clone() for tensor in outputs)
 
-        def unflatten(tensor: Tensor, shape: torch.Size) -> Tensor:
-            return unflatten_batch(tensor, batch_shape).sum_to_size(shape)
 
-        grad_u = unflatten(weight * row_sums, u_shape) if needs_u else None
-        grad_v = unflatten(weight * column_sums, v_shape) if needs_v else None
-        grad_x1 = unflatten(weight.unsqueeze(-1) * grad_x / scale, x1_shape) if needs_x1 else None
-        grad_x2 = unflatten(weight.unsqueeze(-1) * grad_z / scale, x2_shape) if needs_x2 else None
-        grad_lengthscale = None
-        if needs_lengthscale:
-            scaled = (grad_x * x).sum(-2, keepdim=True) + (grad_z * z).sum(-2, keepdim=True)
-            grad_lengthscale = unflatten(-weight.unsqueeze(-1) * scaled / scale, lengthscale.shape)
-        return grad_x1, grad_x2, grad_u, grad_v, grad_lengthscale, grad_outputscale, None, None
+@_bilinear_sweep.register_fake
+def _(x, z, u, v, profile, symmetric, needs_x, needs_z, needs_v):
+    needs_z, needs_v = needs_z and not symmetric, needs_v and not symmetric
+    return (
+        x.new_empty(x.size(0)),
+        x.new_empty(x.shape if needs_x or (symmetric and needs_z) else 0),
+        z.new_empty(z.shape if needs_z else 0),
+        u.new_empty(u.shape),
+        v.new_empty(v.shape if needs_v else 0),
+    )
+
+
+@torch.library.custom_op("gpytorch_decoupled::squared_distance_bilinear_backward", mutates_args=())
+def _bilinear_backward(
+    grad: Tensor, grad_x: Tensor, grad_z: Tensor, row_sums: Tensor, column_sums: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The sweep's gradients scaled by the incoming one, ``grad`` ``(B,)``. An operator of its own without an autograd
+    formula, so that differentiating the backward pass raises instead of treating the sums as constants."""
+    weight = grad.unsqueeze(-1)
+
+    def scaled(tensor: Tensor) -> Tensor:  # an empty (one-dimensional) placeholder stays one
+        if tensor.dim() == 1:
+            return tensor.new_empty(0)
+        return (weight.unsqueeze(-1) if tensor.dim() == 3 else weight) * tensor
+
+    return scaled(grad_x), scaled(grad_z), scaled(row_sums), scaled(column_sums)
+
+
+@_bilinear_backward.register_fake
+def _(grad, grad_x, grad_z, row_sums, column_sums):
+    return tuple(torch.empty_like(tensor) for tensor in (grad_x, grad_z, row_sums, column_sums))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.symmetric = inputs[5]
+    ctx.save_for_backward(*output[1:])
+
+
+def _backward(ctx, grad: Tensor, *unused: Tensor):
+    grad_x, grad_z, row_sums, column_sums = ctx.saved_tensors
+    if ctx.symmetric:
+        grad_z, column_sums = grad_x, row_sums
+    needs_x, needs_z, needs_u, needs_v = ctx.needs_input_grad[:4]
+    # Empty where the sweep did not compute a gradient (its input needs none): scaled as empty, returned as None.
+    results = _bilinear_backward(grad, grad_x, grad_z, row_sums, column_sums)
+    return (
+        *(result if needed else None for result, needed in zip(results, (needs_x, needs_z, needs_u, needs_v))),
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+_bilinear_sweep.register_autograd(_backward, setup_context=_setup_context)

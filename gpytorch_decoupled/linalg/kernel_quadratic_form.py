@@ -7,7 +7,7 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ._squared_distance_quadratic_form import _SquaredDistanceQuadraticForm
+from ._squared_distance_quadratic_form import squared_distance_quadratic_form
 from .kernel_matvec import fused_block, kernel_matvec
 
 
@@ -67,7 +67,7 @@ def kernel_quadratic_form(
     if block is not None:
         x1, x2, lengthscale, outputscale, profile = block
         symmetric = quadratic and x1.shape == x2.shape and torch.equal(x1, x2)
-        return _SquaredDistanceQuadraticForm.apply(x1, x2, left, right, lengthscale, outputscale, profile, symmetric)
+        return squared_distance_quadratic_form(x1, x2, left, right, lengthscale, outputscale, profile, symmetric)
     return blocked_bilinear_form(lambda start, end: covariance[..., start:end, :], left, right, block_size)
 
 

@@ -6,6 +6,8 @@ import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
+from ..linalg._squared_distance_quadratic_form import squared_distance_quadratic_form
+
 
 class LeanKernel:
     r"""
@@ -76,6 +78,30 @@ class LeanKernel:
             elif nu == 2.5:
                 covariance = covariance * (math.sqrt(5.0) * distance + 1.0 + 5.0 / 3.0 * distance.pow(2))
         return covariance if self.scale is None else covariance * self.scale.outputscale
+
+    @property
+    def profile(self) -> str | None:
+        """The kernel's profile for the tiled kernel sweeps of :mod:`gpytorch_decoupled.linalg` (``"rbf"``,
+        ``"matern32"``, ``"matern52"``), or None for Matérn 1/2, which they do not fuse."""
+        if type(self.base) is RBFKernel:
+            return "rbf"
+        return {1.5: "matern32", 2.5: "matern52"}.get(self.base.nu)
+
+    def quadratic_form(self, x: Tensor, coefficients: Tensor) -> Tensor:
+        r"""
+        :math:`\mathbf a^\top\mathbf K_{\mathbf x\mathbf x}\mathbf a` as the general path computes it
+        (:func:`~gpytorch_decoupled.linalg.kernel_quadratic_form` of a lazy kernel block): one sweep over the tiles on
+        and above the diagonal, with the gradients reduced in the same sweep, for the kernels it fuses; the dense
+        product for the others.
+        """
+        profile = self.profile
+        if profile is None:
+            return (coefficients * (self(x, x) @ coefficients)).sum(-1)
+        outputscale = None if self.scale is None else self.scale.outputscale
+        lengthscale = self.base.lengthscale
+        return squared_distance_quadratic_form(
+            x, x, coefficients, coefficients, lengthscale, outputscale, profile, True
+        )
 
     def diagonal(self, x: Tensor) -> Tensor:
         r""":math:`k(\mathbf x_n, \mathbf x_n)`, ``(N,)``: the output scale (1 without a scale kernel)."""

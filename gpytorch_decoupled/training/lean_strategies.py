@@ -84,21 +84,19 @@ def _svgp_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tenso
 def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
     r"""
     The hybrid and orthogonally decoupled strategies: the whitened SVGP block on :math:`\beta` plus the mean basis
-    :math:`\mathbf K_{\cdot\gamma}\mathbf a_\gamma` at :math:`[\beta; \gamma; \mathbf x]` from one kernel block, the
-    residual coordinates :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma` and the exact
-    :math:`\mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma` (Salimbeni et al. 2018, eqs. 11-12, App. A): the
-    training KL of a mean basis of at most ``exact_kl_size`` points (larger bases, whose KL is a control-variate
-    estimate, keep the general path).
+    :math:`\mathbf K_{\cdot\gamma}\mathbf a_\gamma` at :math:`[\beta; \mathbf x]` from one kernel block, the residual
+    coordinates :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma` and the exact
+    :math:`\mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma` (Salimbeni et al. 2018, eqs. 11-12, App. A), swept in
+    tiles as the general path does (:meth:`~gpytorch_decoupled.training.LeanKernel.quadratic_form`): the training KL
+    of a mean basis of at most ``exact_kl_size`` points (larger bases, whose KL is a control-variate estimate, keep
+    the general path).
     """
     basis = strategy.mean_basis
     gamma, coefficients = basis.inducing_points, basis.coefficients
     beta = strategy.inducing_points
-    rows = gamma if draws is None else gamma[draws]
-    values = kernel(torch.cat([beta, rows, x], dim=-2), gamma) @ coefficients
-    beta_values, row_values, data_values = values.split([beta.size(-2), rows.size(-2), x.size(-2)], dim=-1)
-    scale = gamma.size(-2) / rows.size(-2)
-    row_coefficients = coefficients if draws is None else coefficients[draws]
-    quadratic_form = scale * (row_coefficients * row_values).sum(-1)
+    values = kernel(torch.cat([beta, x], dim=-2), gamma) @ coefficients
+    beta_values, data_values = values.split([beta.size(-2), x.size(-2)], dim=-1)
+    quadratic_form = kernel.quadratic_form(gamma, coefficients)
     factor, interp, variance, moments = _whitened_block(strategy, kernel, x)
     coordinates = torch.linalg.solve_triangular(factor, beta_values.unsqueeze(-1), upper=False).squeeze(-1)
     kl = _standard_normal_kl(*moments)
@@ -140,10 +138,11 @@ def _supports_residual_mean(strategy) -> str | None:
             f"the mean basis (M={size}) is larger than exact_kl_size, so its training KL is a control-variate estimate "
             "from rows drawn by |a| (not on the lean path yet)"
         )
-    if (2 * size + strategy.inducing_points.size(-2)) * size > kernel_keep_size.value():
+    # The lean path forms the block of the rows beta (and the batch) by the basis densely; the KL is swept in tiles.
+    if (size + strategy.inducing_points.size(-2)) * size > kernel_keep_size.value():
         return (
-            f"the mean basis (M={size}) is larger than the lean path forms as one kernel block (kernel_keep_size); "
-            "the general path's tiled products keep memory bounded"
+            f"the mean basis (M={size}) is larger than the lean path forms as one kernel block (its rows beta and the "
+            "batch by the basis, within kernel_keep_size); the general path's tiled products keep memory bounded"
         )
     return None
 

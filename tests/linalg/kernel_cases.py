@@ -8,6 +8,7 @@ import gpytorch
 import torch
 from gpytorch.kernels import MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
+from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.oracles import matern, rbf
@@ -62,6 +63,11 @@ class LargestTensor(TorchDispatchMode):
         self.largest, self.exponentials = 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "gpytorch_decoupled":
+            # This package's operators (the tile sweeps): their Python implementation runs under the mode, so that
+            # what they create is recorded too (the operator itself is one opaque call).
+            with self:
+                return OPDEFS[func._schema.name]._init_fn(*args, **(kwargs or {}))
         result = func(*args, **(kwargs or {}))
         outputs = result if isinstance(result, (tuple, list)) else (result,)
         for output in outputs:

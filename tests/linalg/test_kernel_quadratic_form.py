@@ -13,7 +13,7 @@ from torch import Tensor
 
 from gpytorch_decoupled.linalg import kernel_quadratic_form
 from gpytorch_decoupled.linalg._kernel_tiles import PROFILES
-from gpytorch_decoupled.linalg._squared_distance_quadratic_form import _SquaredDistanceQuadraticForm
+from gpytorch_decoupled.linalg._squared_distance_quadratic_form import squared_distance_quadratic_form
 from gpytorch_decoupled.linalg.settings import kernel_tile_size
 from tests.linalg.kernel_cases import BATCH, kernels, largest_tensor, oracle_block, randomize
 
@@ -95,14 +95,10 @@ class TestKernelQuadraticForm(unittest.TestCase):
             with self.subTest(profile=profile, outputscale=scale is not None), kernel_tile_size(6):
 
                 def bilinear(x, z, u, v, lengthscale, *scale, profile=profile):
-                    return _SquaredDistanceQuadraticForm.apply(
-                        x, z, u, v, lengthscale, *(scale or [None]), profile, False
-                    )
+                    return squared_distance_quadratic_form(x, z, u, v, lengthscale, *(scale or [None]), profile, False)
 
                 def quadratic(z, v, lengthscale, *scale, profile=profile):
-                    return _SquaredDistanceQuadraticForm.apply(
-                        z, z, v, v, lengthscale, *(scale or [None]), profile, True
-                    )
+                    return squared_distance_quadratic_form(z, z, v, v, lengthscale, *(scale or [None]), profile, True)
 
                 self.assertTrue(torch.autograd.gradcheck(bilinear, (x, z, u, v, lengthscale, *scaled)))
                 self.assertTrue(torch.autograd.gradcheck(quadratic, (z, v, lengthscale, *scaled)))
@@ -112,7 +108,7 @@ class TestKernelQuadraticForm(unittest.TestCase):
             with self.subTest(profile=profile, batch="(3, 2)"), kernel_tile_size(5):
 
                 def bilinear(x, z, u, v, lengthscale, outputscale, profile=profile):
-                    return _SquaredDistanceQuadraticForm.apply(x, z, u, v, lengthscale, outputscale, profile, False)
+                    return squared_distance_quadratic_form(x, z, u, v, lengthscale, outputscale, profile, False)
 
                 self.assertTrue(torch.autograd.gradcheck(bilinear, (x, z, u, v, lengthscale, outputscale)))
 
@@ -151,6 +147,38 @@ class TestKernelQuadraticForm(unittest.TestCase):
         torch.testing.assert_close(value, torch.zeros(BATCH, dtype=torch.float64))
         (grad_x,) = torch.autograd.grad(value.sum(), [x])
         torch.testing.assert_close(grad_x, torch.zeros_like(x))
+
+    def test_second_derivatives_raise(self):
+        # The sweep's gradients are not differentiable: a Hessian raises instead of treating them as constants.
+        kernel = randomize(ScaleKernel(RBFKernel())).double()
+        gamma, a = _points(12, seed=12)
+        (grad,) = torch.autograd.grad(kernel_quadratic_form(kernel(gamma, gamma), a).sum(), [a], create_graph=True)
+        with self.assertRaisesRegex(RuntimeError, "no autograd formula"):
+            torch.autograd.grad(grad.sum(), [gamma])
+
+    def test_compiles_as_one_graph_equal_to_eager(self):
+        # The sweep is one opaque operator in a torch.compile graph (the lean training path compiles it).
+        generator = torch.Generator().manual_seed(13)
+        gamma = torch.randn(37, 3, generator=generator, dtype=torch.float64).requires_grad_()
+        a = torch.randn(37, generator=generator, dtype=torch.float64).requires_grad_()
+        lengthscale = torch.tensor([[0.7, 1.1, 0.9]], dtype=torch.float64, requires_grad=True)
+        outputscale = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
+        leaves = [gamma, a, lengthscale, outputscale]
+        for profile in PROFILES:
+            with self.subTest(profile=profile), kernel_tile_size(100):
+
+                def value_and_gradients(gamma, a, lengthscale, outputscale, profile=profile):
+                    value = squared_distance_quadratic_form(gamma, gamma, a, a, lengthscale, outputscale, profile, True)
+                    return value.detach(), *torch.autograd.grad(value, [gamma, a, lengthscale, outputscale])
+
+                expected = value_and_gradients(*leaves)
+                with torch._dynamo.config.patch(trace_autograd_ops=True):
+                    explanation = torch._dynamo.explain(value_and_gradients)(*leaves)
+                    self.assertEqual(explanation.graph_break_count, 0, explanation.break_reasons)
+                    torch._dynamo.reset()
+                    compiled = torch.compile(value_and_gradients, backend="aot_eager", fullgraph=True)(*leaves)
+                for result, reference in zip(compiled, expected, strict=True):
+                    torch.testing.assert_close(result, reference, rtol=1e-13, atol=0)
 
     def test_bad_arguments(self):
         gamma, a = _points(6, seed=9)
