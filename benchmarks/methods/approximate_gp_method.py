@@ -6,6 +6,8 @@ import gpytorch
 import torch
 from torch import Tensor
 
+from gpytorch_decoupled.training import eager_training_step
+
 from .method import Method
 
 
@@ -64,12 +66,7 @@ class ApproximateGPMethod(Method):
 
     def step(self, x: Tensor, y: Tensor) -> None:
         self._set_training(True)
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        loss = -self.mll(self.model(x), y)
-        loss.backward()
-        for optimizer in self.optimizers:
-            optimizer.step()
+        eager_training_step(self.mll, self.optimizers, x, y)
 
     @torch.no_grad()
     def objective(self) -> float:

@@ -5,6 +5,7 @@ from torch import Tensor
 
 from gpytorch_decoupled.mlls import DualVariationalELBO
 from gpytorch_decoupled.optim import DualEStep
+from gpytorch_decoupled.training import eager_training_step
 from gpytorch_decoupled.variational import DualVariationalDistribution, DualVariationalStrategy
 
 from .em_method import EMMethod
@@ -60,13 +61,18 @@ class DualMethod(EMMethod):
         self._set_training(True)
         self.dual_e_step.step(x, y)
 
-    def step(self, x: Tensor, y: Tensor) -> None:
-        self._set_training(True)
+    def advance_schedule(self) -> None:
+        r"""Sets the E-step size of the next step of the default schedule, :math:`r_t = \max(1/t, r_{\min})`."""
         self._steps += 1
         self.dual_e_step.param_groups[0]["lr"] = max(1.0 / self._steps, self.e_step_lr)
-        loss = -self.mll(self.model(x), y)
-        gradients = torch.autograd.grad(loss, self.m_parameters, allow_unused=True)
-        self.dual_e_step.step(x, y)  # the marginals of this forward pass, before the M-step moves the hyperparameters
-        for parameter, gradient in zip(self.m_parameters, gradients, strict=True):
-            parameter.grad = gradient
-        self.optimizers[0].step()
+
+    @property
+    def step_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The E-step and the M-step's optimizer, in the order of the default schedule."""
+        return [self.dual_e_step, *self.optimizers]
+
+    def step(self, x: Tensor, y: Tensor) -> None:
+        self._set_training(True)
+        self.advance_schedule()
+        # The M-step's forward and backward pass, the E-step at its marginals, then the M-step's Adam step.
+        eager_training_step(self.mll, self.step_optimizers, x, y)

@@ -3,6 +3,7 @@
 transforms, tiled kernel-vector products and quadratic forms, the sampled estimates of a mean basis's quadratic form and
 the KL divergence from a whitened prior."""
 
+from ._squared_distance_quadratic_form import squared_distance_quadratic_form
 from .cholesky import jittered_cholesky, reset_jitter_warnings
 from .congruence import congruence
 from .kernel_matvec import kernel_matvec
@@ -40,6 +41,7 @@ __all__ = [
     "reset_jitter_warnings",
     "solve_lower",
     "solve_lower_transpose",
+    "squared_distance_quadratic_form",
     "symmetrized",
     "weighted_gram",
     "whitened_kl",

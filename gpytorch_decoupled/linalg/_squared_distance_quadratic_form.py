@@ -40,7 +40,28 @@ def squared_distance_quadratic_form(
     they may be different tensors), and only the tiles on and above the diagonal are evaluated, half the work of the
     full block; each of the two inputs then receives the gradient of one side (together the gradient of the points),
     and so do :math:`\mathbf u` and :math:`\mathbf v` (:math:`s\,\mathbf F\mathbf v` each). Twice differentiating it
-    raises (the sweep's gradients are not themselves differentiable).
+    raises (the sweep's gradients are not themselves differentiable). This is what
+    :func:`~gpytorch_decoupled.linalg.kernel_quadratic_form` computes for a lazy block of a kernel it fuses; call it
+    directly with the kernel's inputs and hyperparameters where there is no lazy block (a compiled graph).
+
+    :param x1: Row inputs.
+    :param x2: Column inputs.
+    :param u: Left vector.
+    :param v: Right vector.
+    :param lengthscale: Length-scales, ``(..., 1, d)`` or ``(..., 1, 1)``.
+    :param outputscale: Output scale :math:`s`, one per batch element, or None for :math:`s = 1`.
+    :param profile: ``"rbf"``, ``"matern32"`` or ``"matern52"``.
+    :param symmetric: Whether ``x1`` equals ``x2`` and ``u`` equals ``v`` (half the tiles are swept).
+    :return: :math:`s\,\mathbf u^\top\mathbf F\mathbf v`, ``(*batch)``.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        >>> gamma, a = torch.randn(300, 2), torch.randn(300)
+        >>> ell, s = kernel.base_kernel.lengthscale, kernel.outputscale
+        >>> value = squared_distance_quadratic_form(gamma, gamma, a, a, ell, s, "rbf", symmetric=True)
+        >>> torch.allclose(value, a @ kernel(gamma, gamma).to_dense() @ a, rtol=1e-4)
+        True
     """
     scale_operand = () if outputscale is None else (outputscale.unsqueeze(-1),)
     x, z, batch_shape = scaled_inputs(x1, x2, lengthscale, u, v, *scale_operand)

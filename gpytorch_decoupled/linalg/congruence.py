@@ -49,6 +49,10 @@ def congruence(
     .. _Adam et al. (2021):
         https://arxiv.org/abs/2111.03412
     """
+    if torch.compiler.is_compiling():
+        # Under torch.compile the function's second (non-differentiable) output fails AOTAutograd (torch 2.13:
+        # "any_leaf != all_leaf"); the graph differentiates the product itself, the same value bit for bit.
+        return L.mT @ A @ L
     return _Congruence.apply(L, A)[0]
 
 

@@ -180,19 +180,27 @@ class DualEStep(torch.optim.Optimizer):
         else:
             whitened_cross = statistics.whitened_cross
             whitened_mean_sum, whitened_gram, batch_size = self._combined_sums(
-                (whitened_cross @ first_target.unsqueeze(-1)).squeeze(-1),
-                weighted_gram(whitened_cross, second_target),
-                x.size(0),
+                *whitened_site_sums(whitened_cross, first_target, second_target), x.size(0)
             )
             # Projecting the batch's own columns is cheaper than two M x M solves when B < M; it needs the sums to be
             # this batch's alone (not combined with other processes' batches).
             own_columns = (whitened_cross, second_target) if batch_size == x.size(0) else None
-            scale = lr * self.num_data / batch_size
-            mean_increment, precision_increment, new_factors = self._site_increments(
-                statistics.factors, whitened_mean_sum, whitened_gram, lr, scale, own_columns
+            new_mean, new_precision, new_factors, factorized = updated_sites(
+                site_mean,
+                site_precision,
+                statistics.factors,
+                whitened_mean_sum,
+                whitened_gram,
+                lr,
+                self.num_data,
+                batch_size,
+                own_columns,
             )
-            new_mean = (1 - lr) * site_mean + scale * mean_increment
-            new_precision = (1 - lr) * site_precision + scale * precision_increment
+            if not factorized:
+                raise RuntimeError(
+                    "the E-step produced site precisions with which q(u) is not positive definite; the sites were not "
+                    "changed."
+                )
         site_mean.copy_(new_mean)
         site_precision.copy_(new_precision)
         self.strategy._clear_cache()
@@ -247,47 +255,78 @@ class DualEStep(torch.optim.Optimizer):
         takes this step together (one process here; see :meth:`_combined_sums`)."""
         return indices, first_target, second_target
 
-    @staticmethod
-    def _site_increments(
-        factors: DualPosteriorFactors,
-        whitened_mean_sum: Tensor,
-        whitened_gram: Tensor,
-        lr: float,
-        scale: float,
-        own_columns: tuple[Tensor, Tensor] | None = None,
-    ) -> tuple[Tensor, Tensor, DualPosteriorFactors]:
-        r"""
-        :math:`\sum_i\mathbf a_i g_{1,i}` and :math:`\sum_i g_{2,i}\mathbf a_i\mathbf a_i^\top` with
-        :math:`\mathbf a_i = \mathbf L_K^{-\top}\mathbf w_i`, and the factors of the new :math:`q`, after checking that
-        the step keeps :math:`q` positive definite, from the whitened sums :math:`\mathbf W\mathbf g_1` and
-        :math:`\mathbf W\mathbf G\mathbf W^\top`. In whitened coordinates the step is
-        :math:`\mathbf h \leftarrow (1-r)\mathbf h + rs\mathbf W\mathbf g_1` and
-        :math:`\mathbf P \leftarrow (1-r)\mathbf P + rs\mathbf W\mathbf G\mathbf W^\top`; the whitened sum is mapped
-        back to u-space with two :math:`M \times M` triangular solves (:math:`O(M^3)`), or, given the batch's own
-        columns :math:`(\mathbf W, \mathbf g_2)` with :math:`B < M`, by forming the projections (:math:`O(BM^2)`).
-        """
-        prior_chol = factors.prior_cholesky
-        # q exists only while H = I + P stays positive definite (P is PSD by construction, up to rounding).
-        precision = (1 - lr) * factors.whitened_site_precision + scale * whitened_gram
-        # (a copy: .double() of a float64 tensor is the tensor itself)
-        inner = precision.double().clone()
-        inner.diagonal(dim1=-2, dim2=-1).add_(1.0)
-        inner_chol, info = torch.linalg.cholesky_ex(inner)
-        if info.any():
-            raise RuntimeError(
-                "the E-step produced site precisions with which q(u) is not positive definite; the sites were not "
-                "changed."
-            )
-        inner_chol = inner_chol.to(precision.dtype)
-        site_mean = (1 - lr) * factors.whitened_site_mean + scale * whitened_mean_sum
-        whitened_mean = cholesky_solve(inner_chol, site_mean.unsqueeze(-1)).squeeze(-1)
-        new_factors = DualPosteriorFactors(prior_chol, precision, inner_chol, site_mean, whitened_mean)
 
-        mean_increment = solve_lower_transpose(prior_chol, whitened_mean_sum.unsqueeze(-1)).squeeze(-1)
-        if own_columns is None or own_columns[0].size(-1) >= own_columns[0].size(-2):
-            half = solve_lower_transpose(prior_chol, whitened_gram)  # L_K^-T W G W^T
-            precision_increment = solve_lower_transpose(prior_chol, half.mT).mT
-            return mean_increment, 0.5 * (precision_increment + precision_increment.mT), new_factors
+def site_targets(
+    centred_mean: Tensor, mean_gradient: Tensor, variance_gradient: Tensor, min_curvature: float
+) -> tuple[Tensor, Tensor]:
+    r"""The E-step's targets :math:`g_{1,i} = \beta_i(\mu_i - \mu_0(\mathbf x_i)) + \alpha_i` and :math:`g_{2,i} =
+    \beta_i = \max(-2\,\partial\mathrm{VE}_i/\partial v_i, \beta_{\min})` from the derivatives
+    :math:`\alpha_i = \partial\mathrm{VE}_i/\partial\mu_i` and :math:`\partial\mathrm{VE}_i/\partial v_i`."""
+    curvature = (-2.0 * variance_gradient).clamp_min(min_curvature)
+    return curvature * centred_mean + mean_gradient, curvature
+
+
+def whitened_site_sums(whitened_cross: Tensor, first_target: Tensor, second_target: Tensor) -> tuple[Tensor, Tensor]:
+    r"""A batch's additive statistics of the E-step, :math:`\mathbf W\mathbf g_1` and :math:`\mathbf W
+    \operatorname{diag}(\mathbf g_2)\mathbf W^\top`, from the whitened cross-covariance :math:`\mathbf W` and the
+    targets."""
+    return (whitened_cross @ first_target.unsqueeze(-1)).squeeze(-1), weighted_gram(whitened_cross, second_target)
+
+
+def updated_sites(
+    site_mean: Tensor,
+    site_precision: Tensor,
+    factors: DualPosteriorFactors,
+    whitened_mean_sum: Tensor,
+    whitened_gram: Tensor,
+    lr: float | Tensor,
+    num_data: int,
+    batch_size: int,
+    own_columns: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, DualPosteriorFactors, Tensor]:
+    r"""
+    The u-space sites after an E-step of size :math:`r` (``lr``) with the scale :math:`s = n/B`
+    (``num_data / batch_size``),
+
+    .. math::
+
+        \boldsymbol\ell_1 \leftarrow (1-r)\boldsymbol\ell_1 + rs\sum_i\mathbf a_i g_{1,i}, \qquad
+        \mathbf L_2 \leftarrow (1-r)\mathbf L_2 + rs\sum_i g_{2,i}\mathbf a_i\mathbf a_i^\top,
+
+    with :math:`\mathbf a_i = \mathbf L_K^{-\top}\mathbf w_i`, from the whitened sums :math:`\mathbf W\mathbf g_1`
+    and :math:`\mathbf W\mathbf G\mathbf W^\top` (:func:`whitened_site_sums`); the factors of the new :math:`q`; and
+    whether :math:`\mathbf H = \mathbf I + \mathbf P` of the new sites factorizes (a boolean tensor: :math:`q` exists
+    only then; the caller raises, or keeps the old sites, when it does not). In whitened coordinates the step is
+    :math:`\mathbf h \leftarrow (1-r)\mathbf h + rs\mathbf W\mathbf g_1` and :math:`\mathbf P \leftarrow
+    (1-r)\mathbf P + rs\mathbf W\mathbf G\mathbf W^\top`; the whitened sum is mapped back to u-space with two
+    :math:`M \times M` triangular solves (:math:`O(M^3)`), or, given the batch's own columns :math:`(\mathbf W,
+    \mathbf g_2)` with :math:`B < M`, by forming the projections (:math:`O(BM^2)`). Plain tensor operations without
+    data-dependent branches: the eager E-step and the compiled t-SVGP iteration
+    (:func:`~gpytorch_decoupled.training.compile_training_step`) both take their step here; ``lr`` may be a tensor.
+    """
+    scale = lr * num_data / batch_size
+    prior_chol = factors.prior_cholesky
+    # q exists only while H = I + P stays positive definite (P is PSD by construction, up to rounding).
+    precision = (1 - lr) * factors.whitened_site_precision + scale * whitened_gram
+    # (a copy: .double() of a float64 tensor is the tensor itself)
+    inner = precision.double().clone()
+    inner.diagonal(dim1=-2, dim2=-1).add_(1.0)
+    inner_chol, info = torch.linalg.cholesky_ex(inner)
+    inner_chol = inner_chol.to(precision.dtype)
+    whitened_site_mean = (1 - lr) * factors.whitened_site_mean + scale * whitened_mean_sum
+    whitened_mean = cholesky_solve(inner_chol, whitened_site_mean.unsqueeze(-1)).squeeze(-1)
+    new_factors = DualPosteriorFactors(prior_chol, precision, inner_chol, whitened_site_mean, whitened_mean)
+
+    mean_increment = solve_lower_transpose(prior_chol, whitened_mean_sum.unsqueeze(-1)).squeeze(-1)
+    if own_columns is None or own_columns[0].size(-1) >= own_columns[0].size(-2):
+        half = solve_lower_transpose(prior_chol, whitened_gram)  # L_K^-T W G W^T
+        precision_increment = solve_lower_transpose(prior_chol, half.mT).mT
+        precision_increment = 0.5 * (precision_increment + precision_increment.mT)
+    else:
         whitened_cross, second_target = own_columns
         projections = solve_lower_transpose(prior_chol, whitened_cross)
-        return mean_increment, weighted_gram(projections, second_target), new_factors
+        precision_increment = weighted_gram(projections, second_target)
+    new_mean = (1 - lr) * site_mean + scale * mean_increment
+    new_precision = (1 - lr) * site_precision + scale * precision_increment
+    return new_mean, new_precision, new_factors, (info == 0).all()
+

@@ -5,6 +5,8 @@ from gpytorch.means import ConstantMean, ZeroMean
 from gpytorch.mlls import VariationalELBO
 from torch import Tensor
 
+from ..mlls import DualVariationalELBO
+from ..mlls import VariationalELBO as CheckedVariationalELBO
 from .lean_kernel import LeanKernel
 from .lean_likelihood import LeanLikelihood
 from .lean_strategies import STRATEGY_TERMS
@@ -12,7 +14,8 @@ from .lean_strategies import STRATEGY_TERMS
 
 class LeanELBO:
     r"""
-    The negative ELBO of a :class:`~gpytorch.mlls.VariationalELBO` per datum (what ``-mll(model(x), y)`` returns in
+    The negative ELBO of a :class:`~gpytorch.mlls.VariationalELBO` (or of t-SVGP's
+    :class:`~gpytorch_decoupled.mlls.DualVariationalELBO`) per datum (what ``-mll(model(x), y)`` returns in
     training mode),
 
     .. math::
@@ -72,8 +75,10 @@ class LeanELBO:
     @staticmethod
     def unsupported(mll) -> str | None:
         """Why the lean path cannot compute ``mll``, or None when it can."""
-        if type(mll) is not VariationalELBO:
-            return f"{type(mll).__name__} (supported: gpytorch.mlls.VariationalELBO)"
+        if type(mll) not in (VariationalELBO, CheckedVariationalELBO, DualVariationalELBO):
+            return f"{type(mll).__name__} (supported: VariationalELBO, this package's checked one, DualVariationalELBO)"
+        if not mll.combine_terms:
+            return "an objective with combine_terms=False (a step needs one loss)"
         model = mll.model
         strategy = getattr(model, "variational_strategy", None)
         if type(strategy) not in STRATEGY_TERMS:
@@ -110,9 +115,14 @@ class LeanELBO:
 
     def __call__(self, x: Tensor, y: Tensor, draws: Tensor | None) -> Tensor:
         """The loss ``-mll(model(x), y)`` of a training step at the batch ``(x, y)`` with this step's ``draws``."""
-        mean, variance, kl = self._terms(self.strategy, self.kernel, self.prior_mean, x, draws)
+        return self.loss_and_statistics(x, y, draws)[0]
+
+    def loss_and_statistics(self, x: Tensor, y: Tensor, draws: Tensor | None):
+        """The loss and what an update of the step needs of the forward pass besides it (t-SVGP's E-step: the
+        :class:`~gpytorch_decoupled.variational.DualSiteStatistics` of the batch), or None."""
+        mean, variance, kl, statistics = self._terms(self.strategy, self.kernel, self.prior_mean, x, draws)
         expected_log_lik = self.likelihood(y, mean, variance).sum(-1).div(y.size(-1))
-        return kl.div(self.mll.num_data / self.mll.beta) - expected_log_lik
+        return kl.div(self.mll.num_data / self.mll.beta) - expected_log_lik, statistics
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
-from ..linalg._squared_distance_quadratic_form import squared_distance_quadratic_form
+from ..linalg import squared_distance_quadratic_form
 
 
 class LeanKernel:

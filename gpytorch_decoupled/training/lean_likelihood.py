@@ -47,6 +47,17 @@ class LeanLikelihood:
             return None
         return cls(likelihood)
 
+    def derivatives(self, y: Tensor, mean: Tensor, variance: Tensor) -> tuple[Tensor, Tensor]:
+        r"""
+        The derivatives of each target's expected log-likelihood with respect to :math:`\mu_n` and
+        :math:`\sigma_n^2`, :math:`(y_n - \mu_n)/\sigma_\epsilon^2` and :math:`-\tfrac12/\sigma_\epsilon^2`, in closed
+        form, as t-SVGP's E-step takes them for a Gaussian likelihood
+        (:meth:`~gpytorch_decoupled.variational.DualVariationalStrategy.site_targets`).
+        """
+        noise = self.likelihood.noise
+        mean_gradient = (y - mean) / noise
+        return mean_gradient, (-0.5 / noise).expand(mean_gradient.shape)
+
     def __call__(self, y: Tensor, mean: Tensor, variance: Tensor) -> Tensor:
         """The expected log-likelihood of each target, ``(N,)``."""
         variance = variance.clamp_min(min_variance.value(variance.dtype))

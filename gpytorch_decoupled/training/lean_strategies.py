@@ -8,7 +8,9 @@ matched and keeps the general path.
 Every function takes the strategy, the :class:`~gpytorch_decoupled.training.LeanKernel` and prior mean of its model,
 the inputs and this step's random draws (made eagerly, before the compiled region, by the second function of its
 entry in :data:`STRATEGY_TERMS`, from the same generator calls as the strategy's own training pass; none for the
-strategies here), and returns ``(mean, variance, kl)``.
+strategies here), and returns ``(mean, variance, kl, statistics)``: ``statistics`` is what an update of the step
+needs of the forward pass besides the loss (t-SVGP's E-step: :class:`~gpytorch_decoupled.variational.
+DualSiteStatistics`), or None.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ import torch
 from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
 from torch import Tensor
 
-from ..linalg import jittered_cholesky, kernel_keep_size
+from ..linalg import jittered_cholesky, kernel_keep_size, solve_lower, whitened_kl
 from ..variational import (
+    DualSiteStatistics,
+    DualVariationalStrategy,
     FastNaturalVariationalDistribution,
     HybridVariationalStrategy,
     OrthogonallyDecoupledVariationalStrategy,
 )
+from ..variational.dual_variational_strategy import whitened_posterior_factors, whitened_u_space_sites
 from .lean_kernel import LeanKernel
 
 MeanFunction = Callable[[Tensor], Tensor]
@@ -78,7 +83,7 @@ def _whitened_block(
 def _svgp_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
     _, interp, variance, moments = _whitened_block(strategy, kernel, x)
     mean = prior_mean(x) + interp.mT @ moments[0]
-    return mean, variance, _standard_normal_kl(*moments)
+    return mean, variance, _standard_normal_kl(*moments), None
 
 
 def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
@@ -107,7 +112,34 @@ def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction,
         block_mean = moments[0]
         kl = kl + (moments[0] * coordinates).sum(-1) + 0.5 * quadratic_form
     mean = prior_mean(x) + interp.mT @ block_mean + data_values
-    return mean, variance, kl
+    return mean, variance, kl, None
+
+
+def _dual_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
+    r"""
+    t-SVGP's training pass (:class:`~gpytorch_decoupled.variational.DualVariationalStrategy`, u-space sites): from
+    one kernel block :math:`k(\mathbf Z, [\mathbf Z; \mathbf x])`, the factors of :math:`q` at the current
+    hyperparameters (:math:`\mathbf L_K`, :math:`\mathbf H = \mathbf I + \mathbf L_K^\top\mathbf L_2\mathbf L_K`,
+    :math:`\mathbf H^{-1}\mathbf h`), the marginals :math:`\mu_0 + \mathbf W^\top\mathbf H^{-1}\mathbf h` and
+    :math:`k(\mathbf x_n, \mathbf x_n) - \lVert\mathbf w_n\rVert^2 + \lVert\mathbf L_H^{-1}\mathbf w_n\rVert^2`
+    with :math:`\mathbf W = \mathbf L_K^{-1}\mathbf K_{\mathbf u\mathbf x}`, and the KL (Adam et al. 2021, App. C,
+    eqs. 49, 51), by the strategy's own functions; the statistics are the E-step's (the strategy keeps the same ones
+    from its training pass for :class:`~gpytorch_decoupled.optim.DualEStep`).
+    """
+    z = strategy.inducing_points
+    size = z.size(-2)
+    rows = kernel(z, torch.cat([z, x], dim=-2))
+    prior = rows[..., :size] + strategy.jitter_val * torch.eye(size, dtype=z.dtype, device=z.device)
+    prior_chol = jittered_cholesky(prior, name="DualVariationalStrategy K_uu")
+    sites = strategy._variational_distribution()
+    factors = whitened_posterior_factors(prior_chol, *whitened_u_space_sites(prior_chol, *sites))
+    whitened_cross = solve_lower(prior_chol, rows[..., size:])
+    reduced_cross = solve_lower(factors.inner_cholesky, whitened_cross)
+    centred_mean = (whitened_cross * factors.whitened_mean.unsqueeze(-1)).sum(-2)
+    variance = kernel.diagonal(x) - whitened_cross.pow(2).sum(-2) + reduced_cross.pow(2).sum(-2)
+    mean_at_x = prior_mean(x)
+    statistics = DualSiteStatistics(mean_at_x, centred_mean, variance, whitened_cross, factors)
+    return mean_at_x + centred_mean, variance, whitened_kl(factors.inner_cholesky, factors.whitened_mean), statistics
 
 
 def _supports_svgp(strategy) -> str | None:
@@ -147,9 +179,18 @@ def _supports_residual_mean(strategy) -> str | None:
     return None
 
 
+def _supports_dual(strategy) -> str | None:
+    if strategy.inducing_points.dim() != 2 or strategy._variational_distribution.batch_shape != torch.Size([]):
+        return "the inducing points or the sites have a batch shape"
+    if strategy._variational_distribution.per_datum:
+        return "per-datum sites (datum_inputs): their E-step updates only the batch's sites"
+    return None
+
+
 # strategy type -> (why it is unsupported or None, the step's random draws, the terms)
 STRATEGY_TERMS: dict[type, tuple[Callable, Callable, Callable]] = {
     VariationalStrategy: (_supports_svgp, lambda strategy: None, _svgp_terms),
     OrthogonallyDecoupledVariationalStrategy: (_supports_residual_mean, lambda strategy: None, _residual_mean_terms),
     HybridVariationalStrategy: (_supports_residual_mean, lambda strategy: None, _residual_mean_terms),
+    DualVariationalStrategy: (_supports_dual, lambda strategy: None, _dual_terms),
 }

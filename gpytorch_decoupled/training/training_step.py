@@ -7,6 +7,11 @@ import torch
 from torch import Tensor
 
 from ..gpytorch_compat import initialize_variational_distribution
+from ..optim import DualEStep
+from ..validation import check_inputs, check_targets
+from ..variational import DualVariationalStrategy
+from .eager_training_step import eager_training_step
+from .lean_e_step import LeanEStep
 from .lean_elbo import LeanELBO
 from .optimizer_updates import optimizer_update, unsupported_optimizer
 
@@ -23,9 +28,13 @@ class TrainingStep:
     * **The lean path.** Where every part of the model is supported (:class:`~gpytorch_decoupled.training.LeanELBO`),
       the loss is computed by plain tensor operations with the values and gradients of GPyTorch's general path, and
       the gradients by :func:`torch.autograd.grad`; each optimizer's update is applied from them
-      (:mod:`~gpytorch_decoupled.training.optimizer_updates`). ``.grad`` is not written.
+      (:mod:`~gpytorch_decoupled.training.optimizer_updates`). ``.grad`` is not written. For t-SVGP
+      (:class:`~gpytorch_decoupled.variational.DualVariationalStrategy` with its
+      :class:`~gpytorch_decoupled.optim.DualEStep` among the optimizers) the step is the iteration of the default
+      schedule: the E-step (:class:`~gpytorch_decoupled.training.LeanEStep`) at the forward pass's marginals, after
+      the gradients and before the other updates.
     * **Eager fallback.** Anything else (an unsupported strategy, kernel, likelihood, objective or optimizer, or
-      ``lean=False``) runs the ordinary eager step, ``zero_grad``, ``-mll(model(x), y)``, ``backward``, ``step``, with
+      ``lean=False``) runs the ordinary eager step (:func:`~gpytorch_decoupled.training.eager_training_step`), with
       one warning that names the reason (:attr:`fallback_reason`). GPyTorch's general path is not compiled: its
       :class:`~linear_operator.operators.LinearOperator` layers and memoization break the graph dozens of times, and
       each break costs more than it saves at the sizes where overhead matters.
@@ -50,10 +59,13 @@ class TrainingStep:
         self.likelihood = mll.likelihood
         self.optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
         self.compiled = compile
+        # t-SVGP's E-steps update the sites from the forward pass's marginals, not from gradients.
+        e_steps = [optimizer for optimizer in self.optimizers if isinstance(optimizer, DualEStep)]
+        gradient_optimizers = [optimizer for optimizer in self.optimizers if not isinstance(optimizer, DualEStep)]
         self.parameters: list[torch.nn.Parameter] = []
         positions: dict[int, int] = {}
         optimizer_positions = []
-        for optimizer in self.optimizers:
+        for optimizer in gradient_optimizers:
             groups = []
             for group in optimizer.param_groups:
                 indices = []
@@ -66,12 +78,9 @@ class TrainingStep:
                 groups.append(indices)
             optimizer_positions.append(groups)
 
-        reasons = [unsupported_optimizer(optimizer) for optimizer in self.optimizers]
-        reason = "lean=False" if not lean else next((r for r in reasons if r is not None), None)
-        self.lean = None
-        if reason is None:
-            reason = LeanELBO.unsupported(mll)
-            self.lean = LeanELBO.of(mll) if reason is None else None
+        reason = "lean=False" if not lean else _unsupported(mll, e_steps, gradient_optimizers)
+        self.lean = LeanELBO.of(mll) if reason is None else None
+        self._e_step = LeanEStep(e_steps[0], self.lean.likelihood) if self.lean is not None and e_steps else None
         self.fallback_reason: str | None = reason
         r"""Why the step runs eagerly on GPyTorch's general path, or None when it runs the (compiled) lean path."""
         if reason is not None:
@@ -86,42 +95,26 @@ class TrainingStep:
             self._function = None
             return
         self._updates = [
-            optimizer_update(optimizer, groups) for optimizer, groups in zip(self.optimizers, optimizer_positions)
+            optimizer_update(optimizer, groups) for optimizer, groups in zip(gradient_optimizers, optimizer_positions)
         ]
         self._function = torch.compile(_own_code(self._lean_step), **compile_options) if compile else self._lean_step
 
-    def _lean_step(self, x: Tensor, y: Tensor, draws: Tensor | None) -> Tensor:
-        loss = self.lean(x, y, draws)
+    def _lean_step(self, x: Tensor, y: Tensor, draws: Tensor | None, e_step_lr: Tensor | None):
+        loss, statistics = self.lean.loss_and_statistics(x, y, draws)
         value = loss.detach()
         gradients = torch.autograd.grad(loss, self.parameters, allow_unused=True)
         with torch.no_grad():
+            # The E-step first, at this forward pass's marginals (t-SVGP's default schedule; the other updates do not
+            # change what it reads).
+            e_step_done = None if self._e_step is None else self._e_step(y, statistics, e_step_lr)
             for update in self._updates:
                 update(gradients)
-        return value
-
-    def _eager_step(self, x: Tensor, y: Tensor) -> Tensor:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        loss = -self.mll(self.model(x), y)
-        loss.backward()
-        for optimizer in self.optimizers:
-            optimizer.step()
-        return loss.detach()
+        return value, e_step_done
 
     def _check(self, x: Tensor, y: Tensor) -> None:
         reference = self.model.variational_strategy.inducing_points
-        if x.dim() != 2 or x.size(-1) != reference.size(-1):
-            raise ValueError(f"x must have shape (B, {reference.size(-1)}), got {tuple(x.shape)}.")
-        if y.shape != x.shape[:1]:
-            raise ValueError(f"y must have shape ({x.size(0)},) to match x, got {tuple(y.shape)}.")
-        for name, tensor in (("x", x), ("y", y)):
-            if tensor.dtype != reference.dtype or tensor.device != reference.device:
-                raise ValueError(
-                    f"{name} is {tensor.dtype} on {tensor.device} but the model is {reference.dtype} on "
-                    f"{reference.device}."
-                )
-        if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
-            raise ValueError("x or y contains NaN or inf; nothing was changed.")
+        check_inputs(x, "x", reference, widths={reference.size(-1)}, dim=2, like_name="the inducing points")
+        check_targets(y, "y", x.shape[:1], reference, self.likelihood)
 
     def __call__(self, x: Tensor, y: Tensor) -> Tensor:
         """Takes one step on the mini-batch ``(x, y)`` and returns its loss (detached, before the update)."""
@@ -129,19 +122,50 @@ class TrainingStep:
             if not module.training:
                 module.train()
         if self._function is None:
-            return self._eager_step(x, y)
+            return eager_training_step(self.mll, self.optimizers, x, y)
         self._check(x, y)
-        initialize_variational_distribution(self.model.variational_strategy)
+        strategy = self.model.variational_strategy
+        if self._e_step is None:
+            initialize_variational_distribution(strategy)
+        else:  # t-SVGP's strategy records its first call without resetting sites set before it (by an E-step)
+            strategy.variational_params_initialized.fill_(1)
         draws = self.lean.draws()
+        e_step_lr = None
+        if self._e_step is not None:
+            e_step_lr = torch.tensor(self._e_step.lr(), dtype=torch.float64, device=x.device)
         # Dynamo traces torch.autograd.grad into the graph only with this setting (else it breaks the graph there).
         with torch._dynamo.config.patch(trace_autograd_ops=True):
-            loss = self._function(x, y, draws)
+            loss, e_step_done = self._function(x, y, draws, e_step_lr)
+        if self._e_step is not None:
+            # What the eager E-step leaves behind: no cached factors of the old sites.
+            self.model.variational_strategy._clear_cache()
+            self._e_step.e_step._last_factors = None
         if not torch.isfinite(loss):
             raise RuntimeError(
                 "the training step's loss is not finite (e.g. a kernel matrix that is not positive definite even "
                 "with the largest jitter); the parameters were updated with non-finite values."
             )
+        if e_step_done is not None and not e_step_done:
+            raise RuntimeError(
+                "the E-step's targets were not finite or its new sites would make q(u) not positive definite; the "
+                "sites were not changed (the M-step's update was applied)."
+            )
         return loss
+
+
+def _unsupported(mll, e_steps: list, gradient_optimizers: list) -> str | None:
+    """Why the lean path cannot take this step, or None when it can."""
+    reason = next((r for r in map(unsupported_optimizer, gradient_optimizers) if r is not None), None)
+    if reason is None:
+        reason = LeanELBO.unsupported(mll)
+    if reason is not None:
+        return reason
+    dual = type(mll.model.variational_strategy) is DualVariationalStrategy
+    if len(e_steps) > 1 or (e_steps and not dual):
+        return "DualEStep other than one, for a DualVariationalStrategy"
+    if dual and not e_steps:
+        return "a DualVariationalStrategy without its DualEStep among the optimizers (its sites move only by E-steps)"
+    return LeanEStep.unsupported(e_steps[0], mll) if e_steps else None
 
 
 def _own_code(method: types.MethodType) -> types.MethodType:

@@ -231,17 +231,10 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
             whitened_cross = solve_lower(prior_chol, datum_cross)
             whitened_site_mean = (whitened_cross @ site_mean.unsqueeze(-1)).squeeze(-1)
             whitened_precision = (whitened_cross * site_precision.unsqueeze(-2)) @ whitened_cross.mT
+            whitened_sites = whitened_site_mean, whitened_precision
         else:
-            whitened_site_mean = (prior_chol.mT @ site_mean.unsqueeze(-1)).squeeze(-1)
-            whitened_precision = congruence(prior_chol, site_precision)  # backward: one M x M product
-        inner = whitened_precision + torch.eye(
-            whitened_precision.size(-1), dtype=whitened_precision.dtype, device=whitened_precision.device
-        )
-        inner_chol = jittered_cholesky(inner, name="DualVariationalStrategy H")
-        whitened_mean = cholesky_solve(inner_chol, whitened_site_mean.unsqueeze(-1)).squeeze(-1)
-        self._posterior_factors = DualPosteriorFactors(
-            prior_chol, whitened_precision, inner_chol, whitened_site_mean, whitened_mean
-        )
+            whitened_sites = whitened_u_space_sites(prior_chol, site_mean, site_precision)
+        self._posterior_factors = whitened_posterior_factors(prior_chol, *whitened_sites)
         return self._posterior_factors
 
     @property
@@ -635,6 +628,26 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
             whitened_cross,
             factors,
         )
+
+
+def whitened_u_space_sites(prior_chol: Tensor, site_mean: Tensor, site_precision: Tensor) -> tuple[Tensor, Tensor]:
+    r"""The u-space sites in whitened coordinates: :math:`\mathbf h = \mathbf L_K^\top\boldsymbol\ell_1` and
+    :math:`\mathbf P = \mathbf L_K^\top\mathbf L_2\mathbf L_K`."""
+    whitened_site_mean = (prior_chol.mT @ site_mean.unsqueeze(-1)).squeeze(-1)
+    return whitened_site_mean, congruence(prior_chol, site_precision)  # backward: one M x M product
+
+
+def whitened_posterior_factors(
+    prior_chol: Tensor, whitened_site_mean: Tensor, whitened_precision: Tensor
+) -> DualPosteriorFactors:
+    r"""The factors of :math:`q(\mathbf v) = \mathcal N(\mathbf H^{-1}\mathbf h, \mathbf H^{-1})` with
+    :math:`\mathbf H = \mathbf I + \mathbf P` (float64 factorization with escalating jitter). Plain tensor
+    operations: the strategy's training pass and the compiled t-SVGP iteration
+    (:func:`~gpytorch_decoupled.training.compile_training_step`) both compute :math:`q` here."""
+    eye = torch.eye(whitened_precision.size(-1), dtype=whitened_precision.dtype, device=whitened_precision.device)
+    inner_chol = jittered_cholesky(whitened_precision + eye, name="DualVariationalStrategy H")
+    whitened_mean = cholesky_solve(inner_chol, whitened_site_mean.unsqueeze(-1)).squeeze(-1)
+    return DualPosteriorFactors(prior_chol, whitened_precision, inner_chol, whitened_site_mean, whitened_mean)
 
 
 def _marginal_variances(data_covariance, whitened_cross: Tensor, reduced_cross: Tensor) -> Tensor:

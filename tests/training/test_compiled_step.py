@@ -12,6 +12,7 @@ import gpytorch
 import pytest
 import torch
 
+from gpytorch_decoupled.optim import DualEStep
 from gpytorch_decoupled.training import TrainingStep, compile_training_step
 from tests.training.training_cases import make_case, optimizers
 
@@ -22,16 +23,13 @@ FAMILIES = {
     "svgp-cholesky": {"strategy": "svgp", "distribution": "cholesky"},
     "orthnat": {"strategy": "odvgp", "distribution": "fast_natural"},
     "hybrid": {"strategy": "hybrid", "distribution": "cholesky"},
+    "tsvgp": {"strategy": "dual", "distribution": "dual"},
 }
 
 
 def _training(options, seed=0):
     model, likelihood, mll, x, y = make_case(seed=seed, **options)
     return model, likelihood, mll, optimizers(model, likelihood, x.size(0), options["distribution"]), x, y
-
-
-def _state(model, likelihood):
-    return [parameter.detach().clone() for parameter in [*model.parameters(), *likelihood.parameters()]]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -41,8 +39,9 @@ def test_whole_step_is_one_graph(family):
     assert step.fallback_reason is None
     torch.manual_seed(0)
     draws = step.lean.draws()
+    e_step_lr = None if step._e_step is None else torch.tensor(0.5, dtype=torch.float64)
     with torch._dynamo.config.patch(trace_autograd_ops=True):
-        explanation = torch._dynamo.explain(step._lean_step)(x, y, draws)
+        explanation = torch._dynamo.explain(step._lean_step)(x, y, draws, e_step_lr)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
 
@@ -55,6 +54,8 @@ def test_compiled_step_equals_eager_general_step(family):
     eager = TrainingStep(eager_mll, eager_opts, lean=False)
     for index in range(3):
         batch = slice(8 * index, 8 * index + 24)
+        for e_step in (opt for opt in [*opts, *eager_opts] if isinstance(opt, DualEStep)):
+            e_step.param_groups[0]["lr"] = max(1 / (index + 1), 0.3)  # t-SVGP's schedule: no recompilation
         torch.manual_seed(index)  # the same sampled KL rows
         loss = compiled(x[batch], y[batch])
         torch.manual_seed(index)
@@ -64,7 +65,34 @@ def test_compiled_step_equals_eager_general_step(family):
         torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
     # the optimizers' state is theirs: an eager step can follow a compiled one
     for optimizer in opts:
-        optimizer.step()
+        if isinstance(optimizer, DualEStep):
+            optimizer.step(x, y)
+        else:
+            optimizer.step()
+
+
+def _state(model, likelihood):
+    """Every parameter and buffer (t-SVGP's sites are buffers)."""
+    tensors = [*model.parameters(), *model.buffers(), *likelihood.parameters()]
+    return [tensor.detach().clone() for tensor in tensors if tensor.is_floating_point()]
+
+
+def test_tsvgp_e_step_failure_keeps_the_sites_and_raises():
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["tsvgp"])
+    step = compile_training_step(mll, opts, backend="aot_eager")
+    sites = [site.clone() for site in model.variational_strategy._variational_distribution()]
+    opts[0].min_curvature = float("nan")  # non-finite targets: the eager E-step raises before changing anything
+    with pytest.raises(RuntimeError, match="sites were not changed"):
+        step(x, y)
+    for site, before in zip(model.variational_strategy._variational_distribution(), sites, strict=True):
+        assert torch.equal(site, before)
+
+
+def test_tsvgp_without_its_e_step_falls_back():
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["tsvgp"])
+    with pytest.warns(UserWarning, match="without its DualEStep"):
+        step = compile_training_step(mll, opts[1:])
+    assert "DualEStep" in step.fallback_reason
 
 
 def test_unsupported_model_falls_back_to_eager_with_a_warning():
@@ -99,7 +127,8 @@ def test_parameter_in_two_optimizers_is_refused():
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (lambda x, y: (x[:, :1], y), "x must have shape"),
+        (lambda x, y: (x[:, :1], y), "x has 1 columns"),
+        (lambda x, y: (x[0], y), "x must have shape"),
         (lambda x, y: (x, y[:-1]), "y must have shape"),
         (lambda x, y: (x.float(), y), "x is torch.float32"),
         (lambda x, y: (x, torch.where(y > 0, float("nan"), y)), "NaN or inf"),

@@ -7,7 +7,8 @@ import gpytorch
 import pytest
 import torch
 
-from gpytorch_decoupled.training import LeanELBO, LeanKernel, LeanLikelihood
+from gpytorch_decoupled.optim import DualEStep
+from gpytorch_decoupled.training import LeanELBO, LeanEStep, LeanKernel, LeanLikelihood
 from tests.training.training_cases import DISTRIBUTIONS, KERNELS, STRATEGIES, make_case
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -47,6 +48,36 @@ def test_strategies_match_general_path(strategy, distribution):
         return -mll(model(x), y)
 
     _assert_same(lean_loss, general_loss, parameters)
+
+
+@pytest.mark.parametrize("kernel", ["rbf_ard", "matern52"])
+def test_tsvgp_matches_general_path(kernel):
+    # DualVariationalELBO at sites away from the prior: the loss and every M-step gradient.
+    model, likelihood, mll, x, y = make_case(strategy="dual", kernel=kernel)
+    lean = LeanELBO.of(mll)
+    assert lean is not None, LeanELBO.unsupported(mll)
+    parameters = [*model.parameters(), *likelihood.parameters()]
+    _assert_same(lambda: lean(x, y, None), lambda: -mll(model(x), y), parameters)
+
+
+def test_tsvgp_e_step_matches_dual_e_step():
+    # The compiled iteration's E-step at the forward pass's statistics against DualEStep.step at the same batch.
+    model, likelihood, mll, x, y = make_case(strategy="dual")
+    lean = LeanELBO.of(mll)
+    e_step = DualEStep(model, likelihood, num_data=x.size(0), lr=0.4)
+    _, statistics = lean.loss_and_statistics(x[:24], y[:24], None)
+    sites = model.variational_strategy._variational_distribution()
+    before = [site.clone() for site in sites]
+    with torch.no_grad():
+        done = LeanEStep(e_step, lean.likelihood)(y[:24], statistics, torch.tensor(0.4, dtype=torch.float64))
+    assert done
+    lean_sites = [site.clone() for site in sites]
+    for site, old in zip(sites, before, strict=True):
+        site.copy_(old)
+        assert not torch.equal(site, lean_sites[0]) and not torch.equal(site, lean_sites[1])
+    e_step.step(x[:24], y[:24])
+    for value, expected in zip(lean_sites, sites, strict=True):
+        torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12 * expected.abs().max())
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

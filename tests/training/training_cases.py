@@ -6,7 +6,11 @@ from __future__ import annotations
 import gpytorch
 import torch
 
+from gpytorch_decoupled.mlls import DualVariationalELBO
+from gpytorch_decoupled.optim import DualEStep
 from gpytorch_decoupled.variational import (
+    DualVariationalDistribution,
+    DualVariationalStrategy,
     FastNaturalVariationalDistribution,
     HybridVariationalStrategy,
     OrthogonallyDecoupledVariationalStrategy,
@@ -24,7 +28,9 @@ class CaseModel(gpytorch.models.ApproximateGP):
             if distribution == "fast_natural"
             else gpytorch.variational.CholeskyVariationalDistribution(z.size(0))
         )
-        if strategy == "svgp":
+        if strategy == "dual":  # t-SVGP: its own sites
+            variational_strategy = DualVariationalStrategy(self, z, DualVariationalDistribution(z.size(0)))
+        elif strategy == "svgp":
             variational_strategy = gpytorch.variational.VariationalStrategy(self, z, q)
         else:
             cls = OrthogonallyDecoupledVariationalStrategy if strategy == "odvgp" else HybridVariationalStrategy
@@ -60,7 +66,8 @@ def make_case(seed=0, dtype=torch.float64, likelihood="gaussian", num_data=40, n
     torch.manual_seed(seed)
     model = CaseModel(x[:num_inducing].clone() + 0.05, gamma=gamma, **options).to(dtype)
     lik = lik.to(dtype)
-    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=num_data)
+    dual = options.get("strategy") == "dual"
+    mll = (DualVariationalELBO if dual else gpytorch.mlls.VariationalELBO)(lik, model, num_data=num_data)
     model.train()
     lik.train()
     with torch.no_grad():
@@ -68,7 +75,13 @@ def make_case(seed=0, dtype=torch.float64, likelihood="gaussian", num_data=40, n
         for name, parameter in [*model.named_parameters(), *lik.named_parameters()]:
             if "natural" not in name:  # natural parameters must stay a valid Gaussian: moved by NGD below
                 parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator, dtype=dtype))
-        if options.get("distribution", "fast_natural") == "fast_natural":
+        if dual:  # sites away from the prior, as an E-step sets them (then a perturbation that keeps them PSD)
+            DualEStep(model, lik, num_data=num_data, lr=0.7).step(x, y)
+            q = model.variational_strategy._variational_distribution
+            shift = 0.1 * torch.randn(num_inducing, num_inducing, generator=generator, dtype=dtype)
+            q.site_precision.add_(0.05 * (shift @ shift.mT))
+            q.site_mean.add_(0.3 * torch.randn(num_inducing, generator=generator, dtype=dtype))
+        elif options.get("distribution", "fast_natural") == "fast_natural":
             q = model.variational_strategy._variational_distribution
             shift = 0.1 * torch.randn(num_inducing, num_inducing, generator=generator, dtype=dtype)
             q.natural_mat.sub_(0.05 * (shift @ shift.mT))
@@ -77,7 +90,11 @@ def make_case(seed=0, dtype=torch.float64, likelihood="gaussian", num_data=40, n
 
 
 def optimizers(model, likelihood, num_data, distribution="fast_natural"):
-    """NGD on q(u) (Adam with a Cholesky distribution) and Adam on the rest, as the benchmarks train."""
+    """NGD on q(u) (Adam with a Cholesky distribution) and Adam on the rest, as the benchmarks train; for t-SVGP
+    (``distribution="dual"``) its E-step and an Adam M-step."""
+    if distribution == "dual":
+        e_step = DualEStep(model, likelihood, num_data=num_data, lr=0.5)
+        return [e_step, torch.optim.Adam([*model.hyperparameters(), *likelihood.parameters()], lr=0.05)]
     if distribution == "fast_natural":
         ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=num_data, lr=0.1)
         adam = torch.optim.Adam([*model.hyperparameters(), *likelihood.parameters()], lr=0.05)
