@@ -329,4 +329,3 @@ def updated_sites(
     new_mean = (1 - lr) * site_mean + scale * mean_increment
     new_precision = (1 - lr) * site_precision + scale * precision_increment
     return new_mean, new_precision, new_factors, (info == 0).all()
-
