@@ -133,13 +133,7 @@ class MeanBasisAdam(torch.optim.Adam):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scales = []
-        for group, strategy in zip(self.param_groups, self.strategies, strict=True):
-            scale = self.function_scale(strategy)
-            previous = self.state[group["params"][0]].get("function_scale")
-            scales.append(scale if previous is None else torch.lerp(scale, previous, self.smoothing))
-            if not torch.isfinite(scales[-1]) or not scales[-1] > 0:
-                raise RuntimeError(f"the mean basis's function scale is {float(scales[-1])}; nothing was changed.")
+        scales = self.smoothed_function_scales()
         rates = [group["lr"] for group in self.param_groups]
         try:
             for group, scale in zip(self.param_groups, scales, strict=True):
@@ -148,7 +142,26 @@ class MeanBasisAdam(torch.optim.Adam):
         finally:
             for group, rate in zip(self.param_groups, rates, strict=True):
                 group["lr"] = rate
-        # Kept beside Adam's moments (after them: Adam creates its state on the first step).
+        self.keep_function_scales(scales)
+        return loss
+
+    @torch.no_grad()
+    def smoothed_function_scales(self) -> list[Tensor]:
+        r"""This step's function scale of every group (:meth:`function_scale`, smoothed with the previous step's).
+
+        :raises RuntimeError: If a scale is not finite and positive (before anything changes).
+        """
+        scales = []
+        for group, strategy in zip(self.param_groups, self.strategies, strict=True):
+            scale = self.function_scale(strategy)
+            previous = self.state[group["params"][0]].get("function_scale")
+            scales.append(scale if previous is None else torch.lerp(scale, previous, self.smoothing))
+            if not torch.isfinite(scales[-1]) or not scales[-1] > 0:
+                raise RuntimeError(f"the mean basis's function scale is {float(scales[-1])}; nothing was changed.")
+        return scales
+
+    def keep_function_scales(self, scales: list[Tensor]) -> None:
+        """Keeps a step's scales for the next step's smoothing, beside Adam's moments (after them: Adam creates its
+        state on the first step)."""
         for group, scale in zip(self.param_groups, scales, strict=True):
             self.state[group["params"][0]]["function_scale"] = scale
-        return loss

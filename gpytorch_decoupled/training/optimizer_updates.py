@@ -6,7 +6,9 @@ training step computes gradients with :func:`torch.autograd.grad` and applies ev
 own eager step (the same arithmetic, the same state in ``optimizer.state``), so a compiled step and
 ``optimizer.step()`` can alternate freely. Hyperparameters (``lr`` ...) are read at every step: changing them (e.g. a
 learning-rate scheduler) recompiles the step once per new value (and after ``torch._dynamo.config.recompile_limit``
-values the step runs eagerly).
+values the step runs eagerly). :class:`~gpytorch_decoupled.optim.MeanBasisAdam`'s rate, divided by a function scale
+estimated from random kernel evaluations at every step, is computed before the compiled region (as its ``step()``
+computes it) and enters the graph as a tensor.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import gpytorch
 import torch
 from torch import Tensor
 
-Update = Callable[[Sequence[Tensor | None]], None]
+from ..optim import MeanBasisAdam
+
+# an update takes the gradients of all the step's parameters and, for MeanBasisAdam, each group's rate (a tensor)
+Update = Callable[[Sequence[Tensor | None], Sequence[Tensor] | None], None]
 
 
 def unsupported_optimizer(optimizer) -> str | None:
     """Why the compiled step cannot apply ``optimizer``'s update, or None when it can."""
     if type(optimizer) is gpytorch.optim.NGD:
         return None
-    if type(optimizer) is torch.optim.Adam:
+    if type(optimizer) in (torch.optim.Adam, MeanBasisAdam):
         for group in optimizer.param_groups:
             if group["differentiable"] or group["fused"] or group["amsgrad"] or isinstance(group["lr"], Tensor):
                 return "torch.optim.Adam with amsgrad=True, differentiable=True, fused=True or a tensor lr"
@@ -33,7 +38,7 @@ def unsupported_optimizer(optimizer) -> str | None:
             if any(parameter.is_complex() for parameter in group["params"]):
                 return "torch.optim.Adam with complex parameters"
         return None
-    return f"{type(optimizer).__name__} (supported: torch.optim.Adam, gpytorch.optim.NGD)"
+    return f"{type(optimizer).__name__} (supported: torch.optim.Adam, gpytorch.optim.NGD, MeanBasisAdam, DualEStep)"
 
 
 def optimizer_update(optimizer, positions: list[list[int]]) -> Update:
@@ -48,7 +53,7 @@ def optimizer_update(optimizer, positions: list[list[int]]) -> Update:
 
 
 def _ngd_update(optimizer, positions: list[list[int]]) -> Update:
-    def update(gradients: Sequence[Tensor | None]) -> None:
+    def update(gradients: Sequence[Tensor | None], rates: Sequence[Tensor] | None = None) -> None:
         for group, indices in zip(optimizer.param_groups, positions):
             for parameter, index in zip(group["params"], indices):
                 if gradients[index] is not None:
@@ -71,20 +76,21 @@ def _adam_update(optimizer: torch.optim.Adam, positions: list[list[int]]) -> Upd
                 state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
 
-    def update(gradients: Sequence[Tensor | None]) -> None:
-        for group, indices in zip(optimizer.param_groups, positions):
+    def update(gradients: Sequence[Tensor | None], rates: Sequence[Tensor] | None = None) -> None:
+        for number, (group, indices) in enumerate(zip(optimizer.param_groups, positions)):
             beta1, beta2 = group["betas"]
+            lr = group["lr"] if rates is None else rates[number]
             for parameter, index in zip(group["params"], indices):
                 gradient = gradients[index]
                 if gradient is None:
                     continue
                 state = optimizer.state[parameter]
-                _adam_parameter_update(parameter, gradient, state, group, beta1, beta2)
+                _adam_parameter_update(parameter, gradient, state, group, lr, beta1, beta2)
 
     return update
 
 
-def _adam_parameter_update(parameter: Tensor, gradient: Tensor, state: dict, group: dict, beta1, beta2) -> None:
+def _adam_parameter_update(parameter: Tensor, gradient: Tensor, state: dict, group: dict, lr, beta1, beta2) -> None:
     r"""
     :class:`torch.optim.Adam`'s single-tensor step (Kingma & Ba 2015, Algorithm 1, with its L2 weight decay and
     ``maximize``) with the step count kept as a tensor: the bias corrections are computed from it in float64, as the
@@ -107,4 +113,4 @@ def _adam_parameter_update(parameter: Tensor, gradient: Tensor, state: dict, gro
     bias_correction1 = 1 - beta1**count
     bias_correction2_sqrt = (1 - beta2**count).sqrt()
     denominator = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
-    parameter.view(-1).sub_((group["lr"] / bias_correction1) * exp_avg / denominator)
+    parameter.view(-1).sub_((lr / bias_correction1) * exp_avg / denominator)

@@ -3,11 +3,12 @@ from __future__ import annotations
 import types
 import warnings
 
+import gpytorch
 import torch
 from torch import Tensor
 
 from ..gpytorch_compat import initialize_variational_distribution
-from ..optim import DualEStep
+from ..optim import DualEStep, MeanBasisAdam
 from ..validation import check_inputs, check_targets
 from ..variational import DualVariationalStrategy
 from .eager_training_step import eager_training_step
@@ -97,9 +98,14 @@ class TrainingStep:
         self._updates = [
             optimizer_update(optimizer, groups) for optimizer, groups in zip(gradient_optimizers, optimizer_positions)
         ]
+        self._rate_optimizers = [
+            optimizer if type(optimizer) is MeanBasisAdam else None for optimizer in gradient_optimizers
+        ]
         self._function = torch.compile(_own_code(self._lean_step), **compile_options) if compile else self._lean_step
 
-    def _lean_step(self, x: Tensor, y: Tensor, draws: Tensor | None, e_step_lr: Tensor | None):
+    def _lean_step(
+        self, x: Tensor, y: Tensor, draws: Tensor | None, e_step_lr: Tensor | None, rates: list | None = None
+    ):
         loss, statistics = self.lean.loss_and_statistics(x, y, draws)
         value = loss.detach()
         gradients = torch.autograd.grad(loss, self.parameters, allow_unused=True)
@@ -107,8 +113,8 @@ class TrainingStep:
             # The E-step first, at this forward pass's marginals (t-SVGP's default schedule; the other updates do not
             # change what it reads).
             e_step_done = None if self._e_step is None else self._e_step(y, statistics, e_step_lr)
-            for update in self._updates:
-                update(gradients)
+            for update, update_rates in zip(self._updates, rates or [None] * len(self._updates)):
+                update(gradients, update_rates)
         return value, e_step_done
 
     def _check(self, x: Tensor, y: Tensor) -> None:
@@ -133,9 +139,26 @@ class TrainingStep:
         e_step_lr = None
         if self._e_step is not None:
             e_step_lr = torch.tensor(self._e_step.lr(), dtype=torch.float64, device=x.device)
+        # MeanBasisAdam's rates: its function scales from kernel draws at the current parameters, as its step()
+        # computes them (it comes before any optimizer that moves the kernel: _unsupported), as tensors.
+        scales = [
+            None if optimizer is None else optimizer.smoothed_function_scales() for optimizer in self._rate_optimizers
+        ]
+        rates = [
+            None
+            if optimizer is None
+            else [
+                torch.tensor(group["lr"] / float(scale), dtype=torch.float64, device=scale.device)
+                for group, scale in zip(optimizer.param_groups, group_scales, strict=True)
+            ]
+            for optimizer, group_scales in zip(self._rate_optimizers, scales, strict=True)
+        ]
         # Dynamo traces torch.autograd.grad into the graph only with this setting (else it breaks the graph there).
         with torch._dynamo.config.patch(trace_autograd_ops=True):
-            loss, e_step_done = self._function(x, y, draws, e_step_lr)
+            loss, e_step_done = self._function(x, y, draws, e_step_lr, rates)
+        for optimizer, group_scales in zip(self._rate_optimizers, scales, strict=True):
+            if optimizer is not None:
+                optimizer.keep_function_scales(group_scales)
         if self._e_step is not None:
             # What the eager E-step leaves behind: no cached factors of the old sites.
             self.model.variational_strategy._clear_cache()
@@ -160,6 +183,12 @@ def _unsupported(mll, e_steps: list, gradient_optimizers: list) -> str | None:
         reason = LeanELBO.unsupported(mll)
     if reason is not None:
         return reason
+    for number, optimizer in enumerate(gradient_optimizers):
+        # Its rate is computed from the kernel before the compiled region: no earlier optimizer may move the kernel.
+        if type(optimizer) is MeanBasisAdam and any(
+            type(o) is not gpytorch.optim.NGD for o in gradient_optimizers[:number]
+        ):
+            return "MeanBasisAdam after an optimizer other than NGD (its rate reads the kernel after their steps)"
     dual = type(mll.model.variational_strategy) is DualVariationalStrategy
     if len(e_steps) > 1 or (e_steps and not dual):
         return "DualEStep other than one, for a DualVariationalStrategy"

@@ -24,12 +24,15 @@ FAMILIES = {
     "orthnat": {"strategy": "odvgp", "distribution": "fast_natural"},
     "hybrid": {"strategy": "hybrid", "distribution": "cholesky"},
     "tsvgp": {"strategy": "dual", "distribution": "dual"},
+    "orthnat-mean-basis-adam": {"strategy": "odvgp", "distribution": "fast_natural", "mean_rule": "mean-basis-adam"},
 }
 
 
 def _training(options, seed=0):
+    options = dict(options)
+    mean_rule = options.pop("mean_rule", None)
     model, likelihood, mll, x, y = make_case(seed=seed, **options)
-    return model, likelihood, mll, optimizers(model, likelihood, x.size(0), options["distribution"]), x, y
+    return model, likelihood, mll, optimizers(model, likelihood, x.size(0), options["distribution"], mean_rule), x, y
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -40,8 +43,9 @@ def test_whole_step_is_one_graph(family):
     torch.manual_seed(0)
     draws = step.lean.draws()
     e_step_lr = None if step._e_step is None else torch.tensor(0.5, dtype=torch.float64)
+    rates = [None if o is None else [torch.tensor(0.1, dtype=torch.float64)] for o in step._rate_optimizers]
     with torch._dynamo.config.patch(trace_autograd_ops=True):
-        explanation = torch._dynamo.explain(step._lean_step)(x, y, draws, e_step_lr)
+        explanation = torch._dynamo.explain(step._lean_step)(x, y, draws, e_step_lr, rates)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
 
@@ -86,6 +90,14 @@ def test_tsvgp_e_step_failure_keeps_the_sites_and_raises():
         step(x, y)
     for site, before in zip(model.variational_strategy._variational_distribution(), sites, strict=True):
         assert torch.equal(site, before)
+
+
+def test_mean_basis_adam_after_a_kernel_optimizer_falls_back():
+    # its rate reads the kernel, which an earlier Adam step would have moved: the compiled step cannot reproduce that
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["orthnat-mean-basis-adam"])
+    with pytest.warns(UserWarning, match="MeanBasisAdam after"):
+        step = compile_training_step(mll, [opts[0], opts[2], opts[1]])
+    assert "MeanBasisAdam" in step.fallback_reason
 
 
 def test_tsvgp_without_its_e_step_falls_back():

@@ -7,7 +7,7 @@ import gpytorch
 import torch
 
 from gpytorch_decoupled.mlls import DualVariationalELBO
-from gpytorch_decoupled.optim import DualEStep
+from gpytorch_decoupled.optim import DualEStep, MeanBasisAdam
 from gpytorch_decoupled.variational import (
     DualVariationalDistribution,
     DualVariationalStrategy,
@@ -89,12 +89,18 @@ def make_case(seed=0, dtype=torch.float64, likelihood="gaussian", num_data=40, n
     return model, lik, mll, x, y
 
 
-def optimizers(model, likelihood, num_data, distribution="fast_natural"):
+def optimizers(model, likelihood, num_data, distribution="fast_natural", mean_rule=None):
     """NGD on q(u) (Adam with a Cholesky distribution) and Adam on the rest, as the benchmarks train; for t-SVGP
     (``distribution="dual"``) its E-step and an Adam M-step."""
     if distribution == "dual":
         e_step = DualEStep(model, likelihood, num_data=num_data, lr=0.5)
         return [e_step, torch.optim.Adam([*model.hyperparameters(), *likelihood.parameters()], lr=0.05)]
+    if mean_rule == "mean-basis-adam":  # a decoupled strategy's mean coefficients by MeanBasisAdam (the default)
+        ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=num_data, lr=0.1)
+        mean_step = MeanBasisAdam(model, lr=0.3, num_samples=4)
+        coefficients = {id(group["params"][0]) for group in mean_step.param_groups}
+        rest = [p for p in [*model.hyperparameters(), *likelihood.parameters()] if id(p) not in coefficients]
+        return [ngd, mean_step, torch.optim.Adam(rest, lr=0.05)]
     if distribution == "fast_natural":
         ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=num_data, lr=0.1)
         adam = torch.optim.Adam([*model.hyperparameters(), *likelihood.parameters()], lr=0.05)
