@@ -13,15 +13,15 @@ from tests.training.training_cases import make_case, optimizers
 pytestmark = [pytest.mark.inductor, pytest.mark.usefixtures("single_thread")]
 
 
-def _pair(seed=0, device="cpu", **compile_options):
-    options = {"strategy": "odvgp", "distribution": "fast_natural"}
+def _pair(seed=0, device="cpu", distribution="fast_natural", **compile_options):
+    options = {"strategy": "dual" if distribution == "dual" else "odvgp", "distribution": distribution}
     model, likelihood, mll, x, y = make_case(seed=seed, **options)
     eager_model, eager_likelihood, eager_mll, _, _ = make_case(seed=seed, **options)
     for module in (model, likelihood, eager_model, eager_likelihood):
         module.to(device)
     x, y = x.to(device), y.to(device)
-    compiled = compile_training_step(mll, optimizers(model, likelihood, x.size(0)), **compile_options)
-    eager = TrainingStep(eager_mll, optimizers(eager_model, eager_likelihood, x.size(0)), lean=False)
+    compiled = compile_training_step(mll, optimizers(model, likelihood, x.size(0), distribution), **compile_options)
+    eager = TrainingStep(eager_mll, optimizers(eager_model, eager_likelihood, x.size(0), distribution), lean=False)
     return compiled, eager, x, y
 
 
@@ -31,14 +31,20 @@ def _assert_steps_equal(compiled, eager, x, y, steps=3):
         loss = compiled(x[:24], y[:24])
         torch.manual_seed(index)
         torch.testing.assert_close(loss, eager(x[:24], y[:24]), rtol=1e-10, atol=0)
-    parameters = [*compiled.model.parameters(), *compiled.likelihood.parameters()]
-    expected = [*eager.model.parameters(), *eager.likelihood.parameters()]
+    # every parameter and buffer (t-SVGP's sites are buffers)
+    parameters = [*compiled.model.parameters(), *compiled.model.buffers(), *compiled.likelihood.parameters()]
+    expected = [*eager.model.parameters(), *eager.model.buffers(), *eager.likelihood.parameters()]
     for value, reference in zip(parameters, expected, strict=True):
         torch.testing.assert_close(value, reference, rtol=1e-9, atol=1e-11)
 
 
 def test_inductor_step_equals_eager():
     _assert_steps_equal(*_pair())
+
+
+def test_inductor_tsvgp_iteration_equals_eager():
+    # t-SVGP's E-step (Cholesky factorization with a failure flag, site updates in place) and M-step through Inductor.
+    _assert_steps_equal(*_pair(distribution="dual"))
 
 
 def test_reduce_overhead_mode_runs_and_equals_eager():
