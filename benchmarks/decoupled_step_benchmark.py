@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -39,7 +38,7 @@ from .methods import Method, build_method
 from .metrics import gaussian_test_metrics
 from .orthogonal_speed_benchmark import enlarge_mean_basis, mean_basis_with_replacement
 from .report import benchmark_payload, format_ratios, format_table, write_results
-from .runner import _minibatches, split_tensors, warmup_peak_memory
+from .runner import _minibatches, lockstep_step_seconds, split_tensors, warmup_peak_memory
 
 NAME = "decoupled-step"
 REFERENCE = "svgp"
@@ -172,20 +171,6 @@ def _more_rows_spread(method: Method, batch: torch.Tensor, draws: int, exact: fl
         basis.num_kl_columns = default
 
 
-def _lockstep_cpu_seconds(methods, batches, iterations: int, warmup: int) -> dict[str, float]:
-    """Steps the methods in lockstep on the same mini-batches (the order alternating each iteration) and returns each
-    one's median CPU seconds per step after ``warmup`` steps. CPU time of this thread (all the work, on one thread)
-    leaves out the time spent waiting for a core, which on a busy machine swamps wall-clock time."""
-    times = {name: [] for name, _ in methods}
-    for iteration in range(warmup + iterations):
-        x, y = next(batches)
-        for name, method in methods[:: 1 if iteration % 2 else -1]:
-            start = time.thread_time()
-            method.step(x, y)
-            times[name].append(time.thread_time() - start)
-    return {name: statistics.median(values[warmup:]) for name, values in times.items()}
-
-
 def _run(args: argparse.Namespace) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -220,7 +205,7 @@ def _measure(args: argparse.Namespace) -> dict:
     peak_mb = warmup_peak_memory(_orthnat(train, args, large, config.seed), train, config)
 
     batches = _minibatches(*train, config.batch_size, config.seed)
-    repeats = [_lockstep_cpu_seconds(methods, batches, config.iterations, config.warmup) for _ in range(args.repeats)]
+    repeats = [lockstep_step_seconds(methods, batches, config.iterations, config.warmup) for _ in range(args.repeats)]
     per_repeat = {name: [run[name] / run[REFERENCE] for run in repeats] for name, _ in methods}
     results = []
     for name, method in methods:
@@ -233,7 +218,7 @@ def _measure(args: argparse.Namespace) -> dict:
 
     batch = next(_minibatches(*train, config.batch_size, config.seed + 1))[0]
     exact_method = _orthnat(train, args, args.exact_size, config.seed)
-    _lockstep_cpu_seconds([("exact", exact_method)], batches, config.iterations, 0)
+    lockstep_step_seconds([("exact", exact_method)], batches, config.iterations, 0)
     spreads = {
         str(args.num_mean_inducing): kl_spread(methods[1][1], batch, args.kl_draws),
         str(args.exact_size): kl_spread(exact_method, batch, args.kl_draws),

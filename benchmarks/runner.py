@@ -42,6 +42,33 @@ def timed_call(function: Callable[..., object], *args, device: torch.device, clo
     return now() - start
 
 
+def random_minibatches(x: Tensor, y: Tensor, batch_size: int, seed: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """Endless mini-batches of rows drawn uniformly with replacement, from a generator seeded with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        index = torch.randint(0, x.size(0), (batch_size,), generator=generator).to(x.device)
+        yield x[index], y[index]
+
+
+def lockstep_step_seconds(
+    methods: Sequence[tuple[str, Method]],
+    batches: Iterator[tuple[Tensor, Tensor]],
+    iterations: int,
+    warmup: int,
+    clock: str = "thread",
+) -> dict[str, float]:
+    """Steps the methods in lockstep on the same mini-batches (one step of each in turn, the order alternating each
+    iteration, so that a slow moment of the machine slows all alike) and returns each one's median seconds per step
+    after ``warmup`` steps, by :func:`timed_call`'s ``clock``: ``"thread"``, the CPU time of this thread, which on a
+    busy machine leaves out the time spent waiting for a core; ``"wall"`` on a GPU."""
+    times = {name: [] for name, _ in methods}
+    for iteration in range(warmup + iterations):
+        x, y = next(batches)
+        for name, method in methods[:: 1 if iteration % 2 else -1]:
+            times[name].append(timed_call(method.step, x, y, device=x.device, clock=clock))
+    return {name: statistics.median(values[warmup:]) for name, values in times.items()}
+
+
 #: Test metrics of a method at test inputs and targets, e.g. ``{"nll": ..., "accuracy": ...}``.
 TestMetrics = Callable[[Method, Tensor, Tensor], dict[str, float]]
 

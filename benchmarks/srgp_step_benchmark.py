@@ -18,16 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from pathlib import Path
-
-import torch
 
 from .benchmark import Benchmark
 from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, load_split, run_config, split_config
 from .methods import build_method
 from .report import benchmark_payload, format_ratios, write_results
-from .runner import split_tensors
+from .runner import lockstep_step_seconds, random_minibatches, split_tensors
 
 NAME = "srgp-step"
 GOAL = "srgp_step_vs_svgp_adam_step"
@@ -52,12 +49,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", default=str(DEFAULT_RESULTS_DIR))
 
 
-def _step_clock(device: torch.device):
-    if device.type == "cuda":
-        return time.perf_counter
-    return time.thread_time
-
-
 def _repeat(train, args, config, repeat: int) -> dict:
     """One lockstep run of fresh methods: the median step times after the warm-up."""
     x, y = train
@@ -66,21 +57,9 @@ def _repeat(train, args, config, repeat: int) -> dict:
         "srgp": build_method("recursive", x, y, num_inducing=args.num_inducing, lr=args.lr, seed=seed),
         "svgp": build_method("svgp", x, y, num_inducing=args.num_inducing, lr=args.lr, seed=seed),
     }
-    device = x.device
-    clock = _step_clock(device)
-    generator = torch.Generator().manual_seed(seed)
-    times = {name: [] for name in methods}
-    for step in range(config.warmup + config.iterations):
-        index = torch.randint(0, x.size(0), (config.batch_size,), generator=generator).to(device)
-        for name, method in list(methods.items())[:: 1 if step % 2 else -1]:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = clock()
-            method.step(x[index], y[index])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times[name].append(clock() - start)
-    medians = {name: statistics.median(values[config.warmup :]) for name, values in times.items()}
+    clock = "wall" if x.device.type == "cuda" else "thread"
+    batches = random_minibatches(x, y, config.batch_size, seed)
+    medians = lockstep_step_seconds(list(methods.items()), batches, config.iterations, config.warmup, clock)
     return {"seconds": medians, "ratio": medians["srgp"] / medians["svgp"], "load_average": os.getloadavg()}
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from .methods import Method, build_method
 from .metrics import classification_test_metrics, gaussian_test_metrics
 from .report import pyplot, save_figure
 from .run_config import RunConfig
-from .runner import split_tensors, train_in_lockstep
+from .runner import lockstep_step_seconds, random_minibatches, split_tensors, train_in_lockstep
 
 NAME = "tsvgp"
 PARTS = ("iteration", "equal-time")
@@ -82,28 +81,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datasets", nargs="+", default=[*REGRESSION, *CLASSIFICATION])
 
 
-def _clock(device: torch.device):
-    return time.perf_counter if device.type == "cuda" else time.thread_time
-
-
-def _timed_steps(methods: dict[str, Method], x: Tensor, y: Tensor, config: RunConfig, seed: int) -> dict[str, float]:
-    """Median step time of each method after the warm-up, stepped in lockstep on the same random batches."""
-    device, clock = x.device, _clock(x.device)
-    generator = torch.Generator().manual_seed(seed)
-    times = {name: [] for name in methods}
-    for step in range(config.warmup + config.iterations):
-        index = torch.randint(0, x.size(0), (config.batch_size,), generator=generator).to(device)
-        for name, method in list(methods.items())[:: 1 if step % 2 else -1]:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = clock()
-            method.step(x[index], y[index])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times[name].append(clock() - start)
-    return {name: statistics.median(values[config.warmup :]) for name, values in times.items()}
-
-
 def _iteration_part(args: argparse.Namespace, config: RunConfig, output: Path) -> tuple[dict, list, dict]:
     split = load_split(args, "kin40k")
     (x, y), _ = split_tensors(split, config)
@@ -115,7 +92,9 @@ def _iteration_part(args: argparse.Namespace, config: RunConfig, output: Path) -
             methods = {
                 name: build_method(name, x, y, num_inducing=size, lr=args.lr, seed=seed) for name in (OURS, BASELINE)
             }
-            seconds = _timed_steps(methods, x, y, config, seed)
+            clock = "wall" if x.device.type == "cuda" else "thread"
+            batches = random_minibatches(x, y, config.batch_size, seed)
+            seconds = lockstep_step_seconds(list(methods.items()), batches, config.iterations, config.warmup, clock)
             repeats.append({"seconds": seconds, "ratio": seconds[OURS] / seconds[BASELINE], "load": os.getloadavg()})
             print(
                 f"M={size} repeat {repeat}: t-SVGP {1000 * seconds[OURS]:.1f} ms, NGD+Adam "
