@@ -37,7 +37,9 @@ def fit_variational_mll(
     - **Kalman** (:class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy`): the hyperparameters maximize
       the collapsed bound of the training set plus the model's log priors by L-BFGS-B, with the bound's exact
       gradient (:class:`~gpytorch_decoupled.mlls.StreamingCollapsedBound`), then the state absorbs the training set
-      at the final hyperparameters (:meth:`~gpytorch_decoupled.variational.KalmanVariationalStrategy.update`).
+      at the final hyperparameters (:meth:`~gpytorch_decoupled.variational.KalmanVariationalStrategy.update`). Several
+      outputs (BoTorch's independent multitask wrapper, one latent per output) sum the outputs' bounds, each with its
+      task's noise of the :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood`.
 
     Other strategies are fitted by BoTorch's L-BFGS-B on ``mll``, as BoTorch fits GPyTorch's.
 
@@ -85,7 +87,8 @@ def fit_variational_mll(
     if isinstance(strategy, DualVariationalStrategy):
         _fit_dual(mll, x, y, num_rounds, optimizer_kwargs)
     else:
-        _fit_kalman(mll, strategy, x, y, optimizer_kwargs)
+        # Several outputs (BoTorch's targets (n, m)) are the latents of the wrapper's base: its targets are (m, n).
+        _fit_kalman(mll, strategy, x, y if strategy is model.variational_strategy else y.mT, optimizer_kwargs)
     return mll.eval()
 
 

@@ -160,10 +160,9 @@ class SingleTaskVariationalGP(BoTorchSingleTaskVariationalGP, FantasizeMixin):
         raise a ``NotImplementedError`` that names these two.
 
         :param inputs: New inputs, ``(..., k, d)`` (transformed).
-        :param targets: New targets, ``(..., k)`` (transformed), or ``(..., k, m)`` for ``m`` outputs (t-SVGP).
+        :param targets: New targets, ``(..., k)`` (transformed), or ``(..., k, m)`` for ``m`` outputs.
         :param noise: Their noise variances, broadcastable to the targets (BoTorch passes them for fixed noise).
-        :raises NotImplementedError: For a strategy without closed-form conditioning, or several outputs of a Kalman
-            strategy.
+        :raises NotImplementedError: For a strategy without closed-form conditioning.
         """
         # Several outputs are a batch of latents inside GPyTorch's independent multitask wrapper: its base conditions.
         strategy = self.model.variational_strategy

@@ -66,8 +66,11 @@ class StreamingCollapsedBound:
     hyperparameters can stall at.
 
     :param model: An :class:`~gpytorch.models.ApproximateGP` with a
-        :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` (its ``approximation`` chooses the bound).
-    :param likelihood: The strategy's :class:`~gpytorch.likelihoods.GaussianLikelihood`.
+        :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` (its ``approximation`` chooses the bound),
+        or with one as the base of an :class:`~gpytorch.variational.IndependentMultitaskVariationalStrategy` (one
+        latent per task; the mini-batches' targets are then ``(T, B)``, and the loss sums the tasks' bounds).
+    :param likelihood: The strategy's :class:`~gpytorch.likelihoods.GaussianLikelihood` (for several tasks, a
+        :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood` without correlated task noise).
 
     Example:
         >>> import gpytorch, torch

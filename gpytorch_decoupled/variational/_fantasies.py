@@ -3,8 +3,9 @@ from __future__ import annotations
 import copy
 
 import torch
-from gpytorch.likelihoods import Likelihood
+from gpytorch.likelihoods import Likelihood, MultitaskGaussianLikelihood
 from gpytorch.models import ApproximateGP
+from gpytorch.variational import IndependentMultitaskVariationalStrategy
 from torch import Tensor
 
 from ..validation import check_device, check_finite, check_targets, check_tensor
@@ -76,3 +77,56 @@ def fantasy_copy(model: ApproximateGP, likelihood: Likelihood | None) -> Approxi
     memo = {} if likelihood is None else {id(likelihood): likelihood}
     memo.update({id(buffer): buffer.clone() for buffer in model.buffers() if buffer.grad_fn is not None})
     return copy.deepcopy(model, memo)
+
+
+def task_noise_variances(likelihood: Likelihood | None, num_tasks: int, user: str) -> Tensor:
+    r"""
+    The noise variance of each task of a :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood` without correlated
+    task noise (``rank=0``): its task noises plus its global noise, ``(..., num_tasks)`` (the likelihood's batch shape
+    in front), as the independent latents of an :class:`~gpytorch.variational.IndependentMultitaskVariationalStrategy`
+    see them.
+
+    :raises NotImplementedError: For any other likelihood (``user`` names the caller).
+    """
+    if not isinstance(likelihood, MultitaskGaussianLikelihood) or likelihood.rank != 0:
+        raise NotImplementedError(
+            f"{user}: several tasks need a MultitaskGaussianLikelihood without correlated task noise (rank=0), got "
+            f"{type(likelihood).__name__}."
+        )
+    noise = torch.zeros(1, dtype=likelihood.noise.dtype, device=likelihood.noise.device)
+    if likelihood.has_global_noise:
+        noise = noise + likelihood.noise
+    if likelihood.has_task_noise:
+        noise = noise + likelihood.task_noises
+    return noise.expand(*noise.shape[:-1], num_tasks)
+
+
+def latent_fantasy_data(
+    strategy, inputs: Tensor, targets: Tensor, noise: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    r"""
+    Fantasy data given to the base ``strategy`` of an
+    :class:`~gpytorch.variational.IndependentMultitaskVariationalStrategy` (tasks in the last latent dimension, as
+    BoTorch builds several outputs), in the latents' form: targets
+    ``(..., k, T)`` become ``(..., T, k)``, the inputs ``(..., k, D)`` are shared by the latents (``(..., 1, k, D)``),
+    and a ``noise`` of shape ``(..., k, T)`` becomes ``(..., T, k)``.
+
+    :raises NotImplementedError: If the model's strategy is not such a wrapper around ``strategy``.
+    :raises ValueError: If the targets do not have one column per task.
+    """
+    wrapper = strategy.model.variational_strategy
+    independent = isinstance(wrapper, IndependentMultitaskVariationalStrategy)
+    if not (independent and wrapper.base_variational_strategy is strategy and wrapper.task_dim == -1):
+        raise NotImplementedError(
+            "get_fantasy_model conditions the model whose own variational_strategy this is, or the base of an "
+            "IndependentMultitaskVariationalStrategy with task_dim=-1; not the base of another wrapper (LMC)."
+        )
+    check_tensor(inputs, "inputs")
+    check_tensor(targets, "targets")
+    if targets.dim() < 2 or targets.size(-1) != wrapper.num_tasks:
+        raise ValueError(f"targets must be (..., k, {wrapper.num_tasks}) for the tasks, got {tuple(targets.shape)}.")
+    if noise is not None:
+        check_tensor(noise, "noise")
+        noise = noise.movedim(-1, -2) if noise.dim() >= 2 else noise
+    inputs = inputs.unsqueeze(-1) if inputs.dim() == 1 else inputs
+    return inputs.unsqueeze(-3), targets.movedim(-1, -2), noise

@@ -5,7 +5,7 @@ from typing import NamedTuple
 import torch
 from gpytorch import settings
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
-from gpytorch.likelihoods import GaussianLikelihood, Likelihood, MultitaskGaussianLikelihood
+from gpytorch.likelihoods import GaussianLikelihood, Likelihood
 from gpytorch.models import ApproximateGP
 from gpytorch.utils.memoize import cached
 from gpytorch.variational import IndependentMultitaskVariationalStrategy
@@ -22,9 +22,8 @@ from ..linalg import (
     weighted_gram,
     whitened_kl,
 )
-from ..validation import check_tensor
 from ._direct_variational_strategy import _DirectVariationalStrategy
-from ._fantasies import checked_fantasy_data, fantasy_copy
+from ._fantasies import checked_fantasy_data, fantasy_copy, latent_fantasy_data, task_noise_variances
 from ._strategy_multivariate_normal import _StrategyMultivariateNormal
 from .dual_variational_distribution import DualVariationalDistribution
 from .joint_prior import joint_prior
@@ -530,7 +529,9 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
             likelihood = getattr(self.model, "likelihood", None)
         wrapper = self.model.variational_strategy
         if wrapper is not self:
-            inputs, targets, noise = self._latent_fantasy_data(wrapper, inputs, targets, likelihood, noise)
+            inputs, targets, noise = latent_fantasy_data(self, inputs, targets, noise)
+            if noise is None:
+                noise = task_noise_variances(likelihood, wrapper.num_tasks, "get_fantasy_model").unsqueeze(-1)
             likelihood = None
         if likelihood is None and noise is None:
             raise ValueError(
@@ -571,46 +572,6 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
             mean_increment = (projections @ first_target.unsqueeze(-1)).squeeze(-1)
             fantasy_sites.add_sites(mean_increment, weighted_gram(projections, second_target))
         return fantasy
-
-    def _latent_fantasy_data(
-        self, wrapper, inputs: Tensor, targets: Tensor, likelihood: Likelihood | None, noise: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        r"""
-        The fantasy data of an :class:`~gpytorch.variational.IndependentMultitaskVariationalStrategy` (tasks in the last
-        latent dimension, as BoTorch builds several outputs) in the latents' form: targets ``(..., k, T)`` become
-        ``(..., T, k)``, the inputs are shared by the latents, and the noise of each task is that of a
-        :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood` without correlated task noise (or ``noise``,
-        ``(..., k, T)``).
-        """
-        independent = isinstance(wrapper, IndependentMultitaskVariationalStrategy)
-        if not (independent and wrapper.base_variational_strategy is self and wrapper.task_dim == -1):
-            raise NotImplementedError(
-                "get_fantasy_model conditions the model whose own variational_strategy this is, or the base of an "
-                "IndependentMultitaskVariationalStrategy with task_dim=-1; not the base of another wrapper (LMC)."
-            )
-        check_tensor(inputs, "inputs")
-        check_tensor(targets, "targets")
-        if targets.dim() < 2 or targets.size(-1) != wrapper.num_tasks:
-            raise ValueError(
-                f"targets must be (..., k, {wrapper.num_tasks}) for the tasks, got {tuple(targets.shape)}."
-            )
-        if noise is None:
-            if not isinstance(likelihood, MultitaskGaussianLikelihood) or likelihood.rank != 0:
-                raise NotImplementedError(
-                    "fantasies of several tasks need a MultitaskGaussianLikelihood without correlated task noise "
-                    f"(rank=0), or noise=..., got {type(likelihood).__name__}."
-                )
-            noise = torch.zeros((), dtype=targets.dtype, device=targets.device)
-            if likelihood.has_global_noise:
-                noise = noise + likelihood.noise
-            if likelihood.has_task_noise:
-                noise = noise + likelihood.task_noises
-            noise = noise.expand(wrapper.num_tasks).unsqueeze(-1)
-        else:
-            check_tensor(noise, "noise")
-            noise = noise.movedim(-1, -2) if noise.dim() >= 2 else noise
-        inputs = inputs.unsqueeze(-1) if inputs.dim() == 1 else inputs
-        return inputs.unsqueeze(-3), targets.movedim(-1, -2), noise
 
     def _site_statistics(
         self,

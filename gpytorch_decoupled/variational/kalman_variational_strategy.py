@@ -4,16 +4,17 @@ import warnings
 
 import torch
 from gpytorch.distributions import MultivariateNormal
-from gpytorch.likelihoods import GaussianLikelihood, Likelihood
+from gpytorch.likelihoods import GaussianLikelihood, Likelihood, MultitaskGaussianLikelihood
 from gpytorch.models import ApproximateGP
 from gpytorch.utils.memoize import cached
+from gpytorch.variational import IndependentMultitaskVariationalStrategy
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator
 from torch import Tensor
 
 from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower, symmetrized
 from ..validation import check_targets, check_tensor
 from ._direct_variational_strategy import _DirectVariationalStrategy
-from ._fantasies import checked_fantasy_data, fantasy_copy
+from ._fantasies import checked_fantasy_data, fantasy_copy, latent_fantasy_data, task_noise_variances
 from ._kalman_terms import (
     KalmanIncrements,
     KalmanStatistics,
@@ -119,7 +120,10 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         share the inducing points).
     :param args: ``learn_inducing_locations`` and ``jitter_val`` given by position, as in GPyTorch.
     :param likelihood: The :class:`~gpytorch.likelihoods.GaussianLikelihood` whose noise :math:`\sigma^2` the
-        updates use (kept by reference: train it as usual, and move it with the model); optional, see above.
+        updates use (kept by reference: train it as usual, and move it with the model); optional, see above. For
+        several outputs (the base of an :class:`~gpytorch.variational.IndependentMultitaskVariationalStrategy`, one
+        latent per task, as BoTorch builds them), a :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood`
+        without correlated task noise (``rank=0``): each latent's :math:`\sigma^2` is its task's noise.
     :param approximation: ``"vfe"`` (default), ``"dtc"``, ``"fitc"``, ``"pitc"`` or ``"pep"``.
     :param alpha: The power :math:`0 < \alpha \le 1` of ``"pep"`` (1 is FITC, :math:`\alpha \to 0` VFE).
     :param learn_inducing_locations: Make :math:`\mathbf Z` a parameter (default True).
@@ -220,11 +224,11 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         if self._likelihood is not None:
             return self._likelihood
         likelihood = getattr(self.model, "likelihood", None)
-        return likelihood if isinstance(likelihood, GaussianLikelihood) else None
+        return likelihood if isinstance(likelihood, GaussianLikelihood | MultitaskGaussianLikelihood) else None
 
     def __setattr__(self, name: str, value) -> None:
         if name == "likelihood":
-            object.__setattr__(self, "_likelihood", _checked_likelihood(value))
+            object.__setattr__(self, "_likelihood", _checked_likelihood(value, self._variational_distribution))
         else:
             super().__setattr__(name, value)
 
@@ -237,17 +241,32 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         :param user: What asks, named in the errors.
         :raises TypeError: If ``likelihood`` is not Gaussian.
         :raises ValueError: If another likelihood is attached already, or if there is none at all.
+        :raises NotImplementedError: For a multitask likelihood, unless this strategy is the base of an
+            :class:`~gpytorch.variational.IndependentMultitaskVariationalStrategy` (``task_dim=-1``) with one latent
+            per task: under a mixing of latents (LMC) no latent has a noise of its own.
         """
         current = self.likelihood
         if likelihood is not None:
-            _checked_likelihood(likelihood)
+            _checked_likelihood(likelihood, self._variational_distribution)
             if current is not None and likelihood is not current:
                 raise ValueError(f"{user}: the likelihood must be the one the model's KalmanVariationalStrategy uses.")
-            return likelihood
+            current = likelihood
         if current is None:
             raise ValueError(
                 f"{user} needs the GaussianLikelihood whose noise the Kalman updates use: pass it (e.g. "
                 "update(x, y, likelihood=likelihood)) or attach it once with strategy.likelihood = likelihood."
+            )
+        wrapper = getattr(self.model, "variational_strategy", None)
+        if isinstance(current, MultitaskGaussianLikelihood) and not (
+            isinstance(wrapper, IndependentMultitaskVariationalStrategy)
+            and wrapper.base_variational_strategy is self
+            and wrapper.task_dim == -1
+        ):
+            raise NotImplementedError(
+                f"{user}: KalmanVariationalStrategy takes a MultitaskGaussianLikelihood only as the base of an "
+                "IndependentMultitaskVariationalStrategy (task_dim=-1) with one latent per task, got a "
+                f"{type(wrapper).__name__}: its closed-form updates need each latent's own Gaussian noise, which a "
+                "mixing of latents (LMC) does not give."
             )
         return current
 
@@ -336,13 +355,16 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         costs :math:`O(nM^2)` over all :math:`n` points.
 
         :param inputs: New inputs :math:`\mathbf X_*`, ``(..., k, D)`` (``(k,)`` for one input dimension).
-        :param targets: New targets :math:`\mathbf y_*`, ``(..., k)``.
+        :param targets: New targets :math:`\mathbf y_*`, ``(..., k)``; ``(..., k, T)`` for the base of an
+            :class:`~gpytorch.variational.IndependentMultitaskVariationalStrategy` of :math:`T` tasks (BoTorch's
+            several outputs), whose new model is then the wrapper's model, conditioned task by task.
         :param likelihood: The Gaussian likelihood (default: the strategy's :attr:`likelihood`).
         :param noise: The new observations' noise variances, broadcastable to the targets, in place of the
             likelihood's :math:`\sigma^2` (BoTorch passes them for observations of known noise).
         :return: The conditioned copy of the model.
         :raises ValueError: On bad shapes, dtypes, devices, NaN/inf or noise, before anything is computed.
-        :raises NotImplementedError: If the strategy is inside a wrapper (the wrapper's model is what conditions).
+        :raises NotImplementedError: If the strategy is inside a wrapper other than an independent multitask one
+            (LMC).
 
         Example:
             >>> import gpytorch, torch
@@ -361,19 +383,17 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
             >>> fantasy.eval()(torch.tensor([0.5, 1.0])).mean.shape, fantasy.variational_strategy.num_observed
             (torch.Size([8, 2]), 101)
         """
-        if self.model.variational_strategy is not self:
-            raise NotImplementedError(
-                "get_fantasy_model conditions the model whose own variational_strategy this is; a strategy inside a "
-                "wrapper (multitask, LMC) has no fantasy models."
-            )
         likelihood = self.resolved_likelihood(likelihood, "KalmanVariationalStrategy.get_fantasy_model")
+        if self.model.variational_strategy is not self:
+            inputs, targets, noise = latent_fantasy_data(self, inputs, targets, noise)
         x, y, noise, _ = checked_fantasy_data(self, inputs, targets, noise, likelihood)
         terms, inducing_covariance = self.observation_terms(x, y, likelihood, noise, fantasy=True)
         psi = self.bound_term(terms, inducing_covariance, *self.statistics)
         increments = self.increments(terms, psi, keep_graph=True)
         fantasy = fantasy_copy(self.model, likelihood)
-        fantasy.variational_strategy._variational_distribution.add_fantasy(*increments, x.size(-2))
-        fantasy.variational_strategy.attach_likelihood(likelihood, "KalmanVariationalStrategy.get_fantasy_model")
+        strategy = getattr(fantasy.variational_strategy, "base_variational_strategy", fantasy.variational_strategy)
+        strategy._variational_distribution.add_fantasy(*increments, x.size(-2))
+        strategy.attach_likelihood(likelihood, "KalmanVariationalStrategy.get_fantasy_model")
         return fantasy
 
     # ------------------------------------------------------------------ the update protocol
@@ -492,8 +512,12 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
 
     def noise_variance(self, likelihood: GaussianLikelihood | None = None) -> Tensor:
         r"""The noise :math:`\sigma^2` of ``likelihood`` or else of the strategy's :attr:`likelihood`, in float64, one
-        value per latent."""
-        return self.resolved_likelihood(likelihood, "KalmanVariationalStrategy").noise.double()[..., 0]
+        value per latent (for a :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood`, its tasks' noises: one
+        per latent, errors as :meth:`resolved_likelihood`)."""
+        likelihood = self.resolved_likelihood(likelihood, "KalmanVariationalStrategy")
+        if isinstance(likelihood, GaussianLikelihood):
+            return likelihood.noise.double()[..., 0]
+        return task_noise_variances(likelihood, likelihood.num_tasks, "KalmanVariationalStrategy").double()
 
     def data_prior(self, x: Tensor) -> tuple[Tensor, Tensor]:
         r""":math:`\mathbf K_{\mathbf u\mathbf x}`, ``(..., M, B)``, and the prior mean :math:`\mu_0(\mathbf x)`,
@@ -506,8 +530,10 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
     @staticmethod
     def of_model(model: ApproximateGP, likelihood: Likelihood, user: str) -> KalmanVariationalStrategy:
         """
-        The model's :class:`KalmanVariationalStrategy`, with ``likelihood`` (whose noise its updates use) attached
-        if it had none, or checked to be the one it has.
+        The model's :class:`KalmanVariationalStrategy` (or the base of its
+        :class:`~gpytorch.variational.IndependentMultitaskVariationalStrategy`, whose latents are the tasks: it then
+        takes targets ``(..., T, B)``), with ``likelihood`` (whose noise its updates use) attached if it had none, or
+        checked to be the one it has.
 
         :param model: The model whose strategy is sought.
         :param likelihood: The likelihood the caller was given.
@@ -517,6 +543,8 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         :raises ValueError: If ``likelihood`` is not the one the strategy uses.
         """
         strategy = getattr(model, "variational_strategy", None)
+        if isinstance(strategy, IndependentMultitaskVariationalStrategy):  # several outputs, one latent per task
+            strategy = strategy.base_variational_strategy
         if not isinstance(strategy, KalmanVariationalStrategy):
             raise TypeError(
                 f"{user} needs a model whose variational_strategy is a KalmanVariationalStrategy, got "
@@ -653,11 +681,21 @@ _PRIOR_IN_TRAINING = (
 )
 
 
-def _checked_likelihood(likelihood) -> GaussianLikelihood | None:
-    if likelihood is not None and not isinstance(likelihood, GaussianLikelihood):
+def _checked_likelihood(
+    likelihood, distribution: KalmanVariationalDistribution
+) -> GaussianLikelihood | MultitaskGaussianLikelihood | None:
+    """A Gaussian likelihood, or a multitask one of independent task noises with one task per latent (the last
+    dimension of the latents' batch shape), or None."""
+    multitask = (
+        isinstance(likelihood, MultitaskGaussianLikelihood)
+        and likelihood.rank == 0
+        and distribution.batch_shape[-1:] == (likelihood.num_tasks,)
+    )
+    if likelihood is not None and not (isinstance(likelihood, GaussianLikelihood) or multitask):
         raise TypeError(
             "KalmanVariationalStrategy needs a gpytorch.likelihoods.GaussianLikelihood (its closed-form updates "
-            f"are for Gaussian noise sigma^2), got {type(likelihood).__name__}."
+            "are for Gaussian noise sigma^2; for several outputs, a MultitaskGaussianLikelihood with rank=0 and one "
+            f"latent per task), got {type(likelihood).__name__}."
         )
     return likelihood
 

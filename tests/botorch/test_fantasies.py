@@ -13,8 +13,10 @@ import torch
 
 botorch = pytest.importorskip("botorch", reason="BoTorch is the optional botorch extra (pip install '.[botorch]')")
 
-from botorch.acquisition import qKnowledgeGradient  # noqa: E402
+from botorch.acquisition import qKnowledgeGradient, qLogExpectedImprovement  # noqa: E402
 from botorch.acquisition.active_learning import qNegIntegratedPosteriorVariance  # noqa: E402
+from botorch.acquisition.multi_objective.logei import qLogNoisyExpectedHypervolumeImprovement  # noqa: E402
+from botorch.acquisition.objective import GenericMCObjective  # noqa: E402
 from botorch.fit import fit_gpytorch_mll  # noqa: E402
 from botorch.models.transforms import Normalize, Standardize  # noqa: E402
 from botorch.optim import optimize_acqf  # noqa: E402
@@ -28,6 +30,7 @@ from gpytorch_decoupled.variational import (  # noqa: E402
     HybridVariationalStrategy,
     KalmanVariationalStrategy,
 )
+from tests.oracles import svgp_predictive, titsias_optimal_qu  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -124,7 +127,7 @@ def test_families_without_conditioning_say_which_have_it():
 
 def test_several_outputs_of_the_dual_strategy_condition_on_observations():
     """m = 2 outputs (BoTorch's batch of latents inside an independent multitask wrapper): the conditioned posterior is
-    that of all the data; fantasies have BoTorch's shapes. Kalman's fit of several outputs is not supported."""
+    that of all the data; fantasies have BoTorch's shapes."""
     x, y = _data(30, seed=0)
     y = torch.cat([y, (3 * x).cos().sum(-1, keepdim=True)], -1)
     torch.manual_seed(0)
@@ -147,3 +150,74 @@ def test_several_outputs_of_the_dual_strategy_condition_on_observations():
     fantasy = model.fantasize(torch.rand(5, 1, 2, dtype=F64), SobolQMCNormalSampler(torch.Size([3])))
     assert fantasy.batch_shape == torch.Size([3, 5])
     assert fantasy.posterior(torch.rand(4, 2, dtype=F64)).mean.shape == torch.Size([3, 5, 4, 2])
+
+
+def _two_outputs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _data(n, seed)
+    gen = torch.Generator().manual_seed(seed + 10)
+    second = (3 * x).cos().sum(-1, keepdim=True) + 0.05 * torch.randn(n, 1, generator=gen, dtype=F64)
+    return x, torch.cat([y, second], -1)
+
+
+def _titsias_posterior(model, x, y, x_test):
+    """Dense float64 oracle: each output's Titsias posterior (Kalman-VFE's batch posterior) of the data (x, y) at the
+    model's fitted hyperparameters, its inducing points and its task's noise, at ``x_test``: means and variances
+    ``(n_test, m)``."""
+    gp, likelihood = model.model, model.likelihood
+    strategy = gp.variational_strategy.base_variational_strategy
+    noise = (likelihood.task_noises + likelihood.noise).detach()
+    means, variances = [], []
+    with torch.no_grad():
+        Z, K = strategy.inducing_points, gp.covar_module
+        K_uu = K(Z).to_dense() + strategy.jitter_val * torch.eye(Z.size(-2), dtype=F64)
+        K_uf, K_us, K_ss = K(Z, x).to_dense(), K(Z, x_test).to_dense(), K(x_test).to_dense()
+        mean_f, mean_s = gp.mean_module(x), gp.mean_module(x_test)
+        for t in range(y.size(-1)):
+            m, S = titsias_optimal_qu(K_uu[t], K_uf[t], y[:, t], noise[t], mean_f[t])
+            mean, covariance = svgp_predictive(K_uu[t], K_us[t], K_ss[t], m, S, mean_s[t])
+            means.append(mean)
+            variances.append(covariance.diagonal())
+    return torch.stack(means, -1), torch.stack(variances, -1)
+
+
+def test_several_outputs_of_the_kalman_strategy_fit_condition_and_acquire():
+    """m = 2 outputs of a Kalman strategy (BoTorch's batch of latents inside an independent multitask wrapper, noise
+    per task from a MultitaskGaussianLikelihood): fit_gpytorch_mll fits the hyperparameters and absorbs the data, the
+    posterior is each output's Titsias posterior of the data (dense float64 oracle), condition_on_observations gives
+    that of all the data, fantasies have BoTorch's shapes, and qLogEI (scalarized outputs) and qLogNEHVI optimize."""
+    x, y = _two_outputs(30, seed=0)
+    torch.manual_seed(0)
+    model = SingleTaskVariationalGP(x, y, variational_strategy=KalmanVariationalStrategy, inducing_points=10)
+    lengthscales = model.model.covar_module.lengthscale.detach().clone()
+    fit_gpytorch_mll(VariationalELBO(model.likelihood, model.model, num_data=x.size(-2)), **FIT_KWARGS)
+    assert model.model.variational_strategy.base_variational_strategy.num_observed == 30
+    assert not torch.allclose(model.model.covar_module.lengthscale, lengthscales)  # the hyperparameters were fitted
+    x_test, _ = _two_outputs(7, seed=2)
+    posterior = model.posterior(x_test)
+    mean, variance = _titsias_posterior(model, x, y, x_test)
+    assert posterior.mean.shape == (7, 2)
+    assert (posterior.mean - mean).abs().max() <= 1e-9 and (posterior.variance - variance).abs().max() <= 1e-9
+    assert (model.posterior(x).mean - y).pow(2).mean().sqrt() < 0.1  # and the fit is a good one
+
+    x_new, y_new = _two_outputs(4, seed=1)
+    conditioned = model.condition_on_observations(x_new, y_new)
+    actual = conditioned.posterior(x_test)
+    mean, variance = _titsias_posterior(model, torch.cat([x, x_new]), torch.cat([y, y_new]), x_test)
+    assert (actual.mean - mean).abs().max() <= 1e-9 and (actual.variance - variance).abs().max() <= 1e-9
+    assert model.model.variational_strategy.base_variational_strategy.num_observed == 30  # the model is unchanged
+    fantasy = model.fantasize(torch.rand(5, 1, 2, dtype=F64), SobolQMCNormalSampler(torch.Size([3])))
+    assert fantasy.batch_shape == torch.Size([3, 5])
+    assert fantasy.posterior(torch.rand(4, 2, dtype=F64)).mean.shape == torch.Size([3, 5, 4, 2])
+
+    torch.manual_seed(0)
+    objective = GenericMCObjective(lambda samples, X=None: samples[..., 0] + samples[..., 1])
+    log_ei = qLogExpectedImprovement(model, best_f=(y[:, 0] + y[:, 1]).max(), objective=objective)
+    candidates, value = optimize_acqf(log_ei, BOUNDS, q=2, num_restarts=2, raw_samples=16, options={"maxiter": 5})
+    assert candidates.shape == (2, 2) and torch.isfinite(value)
+    # cache_root=False: BoTorch's cached root decomposition expects a block-diagonal covariance of the outputs, which
+    # GPyTorch's independent multitask wrapper gives interleaved (BoTorch's own SingleTaskVariationalGP fails alike).
+    hypervolume = qLogNoisyExpectedHypervolumeImprovement(
+        model, ref_point=[-2.0, -2.0], X_baseline=x, prune_baseline=False, cache_root=False
+    )
+    candidates, value = optimize_acqf(hypervolume, BOUNDS, q=1, num_restarts=2, raw_samples=16, options={"maxiter": 5})
+    assert candidates.shape == (1, 2) and torch.isfinite(value)

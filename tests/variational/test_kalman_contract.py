@@ -6,6 +6,7 @@ update, reset and load, and ``prior=True``."""
 from __future__ import annotations
 
 import copy
+import functools
 import pickle
 import unittest.mock
 
@@ -404,3 +405,45 @@ def test_a_training_step_at_the_prior_names_the_update_call():
     mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=60)
     (-mll(model(X[:12]), y[:12])).backward()
     assert model.variational_strategy.inducing_points.grad.abs().sum() > 0
+
+
+class _TwoOutputGP(gpytorch.models.ApproximateGP):
+    """Two outputs as BoTorch builds them: a batch of two latents under an independent multitask wrapper (or LMC)."""
+
+    def __init__(self, Z, wrapper):
+        base = KalmanVariationalStrategy(self, Z.expand(2, *Z.shape).clone())
+        super().__init__(wrapper(base))
+        self.mean_module = gpytorch.means.ConstantMean(batch_shape=torch.Size([2]))
+        kernel = gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2]))
+        self.covar_module = gpytorch.kernels.ScaleKernel(kernel, batch_shape=torch.Size([2]))
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def test_several_outputs_take_each_tasks_noise_of_a_multitask_likelihood():
+    """Under an independent multitask wrapper, a MultitaskGaussianLikelihood (rank 0) gives each latent its task's
+    noise (task noise + global noise): the same state and predictions as a batched GaussianLikelihood of those noises;
+    under LMC (no latent has a noise of its own) the update says so, before anything changes."""
+    X, y, Z = problem()
+    targets = torch.stack([y, (2 * X[:, 0]).cos()])  # the base's latents: (2, n)
+    wrap = functools.partial(gpytorch.variational.IndependentMultitaskVariationalStrategy, num_tasks=2)
+    torch.manual_seed(0)
+    model = _TwoOutputGP(Z, wrap).double()
+    multitask = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2).double()
+    multitask.task_noises = torch.tensor([0.01, 0.2], dtype=F64)
+    multitask.noise = torch.tensor([0.05], dtype=F64)
+    reference = copy.deepcopy(model)
+    batched = gpytorch.likelihoods.GaussianLikelihood(batch_shape=torch.Size([2])).double()
+    batched.noise = (multitask.task_noises + multitask.noise).detach().unsqueeze(-1)
+    model.variational_strategy.base_variational_strategy.update(X, targets, multitask)
+    reference.variational_strategy.base_variational_strategy.update(X, targets, batched)
+    (mean, covariance), (expected_mean, expected_covariance) = _predict(model), _predict(reference)
+    assert mean.shape == (9, 2)
+    torch.testing.assert_close(mean, expected_mean, rtol=0, atol=1e-12)
+    torch.testing.assert_close(covariance, expected_covariance, rtol=0, atol=1e-12)
+    lmc = functools.partial(gpytorch.variational.LMCVariationalStrategy, num_tasks=2, num_latents=2)
+    mixed = _TwoOutputGP(Z, lmc).double()
+    with pytest.raises(NotImplementedError, match="IndependentMultitaskVariationalStrategy"):
+        mixed.variational_strategy.base_variational_strategy.update(X, targets, multitask)
+    assert mixed.variational_strategy.base_variational_strategy.num_observed == 0
