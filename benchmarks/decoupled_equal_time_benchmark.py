@@ -23,7 +23,9 @@ other processes' load does not count against a method. SVGP-Adam's total trainin
 budget; each method's test metrics at :math:`T` are read from its metric-against-time curve (linear interpolation
 between evaluations; a method that finished sooner is held at its final value). A data set counts for OrthNat (or
 Hybrid) when its test NLL at :math:`T` is at most both SVGP-Adam's and SVGP-NGD's at :math:`T`; the goals are at least
-5 of the 7 sets. Every method's wins and losses against every other are in the JSON.
+5 of the 7 sets. Every method's wins and losses against every other are in the JSON. ``--checkpoints`` reads shorter
+trainings off the same run (SVGP-Adam's time after that many iterations as the budget): the goal is judged on the
+full run, and the counts of the shorter ones are reported beside it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ RATIO_NOTES = {
         for ours in OURS
     },
     "<method>_nll_wins_at_equal_iterations": "the same after equal iterations; no goal",
+    "<method>_nll_wins_at_svgp_time_after_<n>_iterations": (
+        "the same at SVGP-Adam's time after n iterations (a shorter training read off the same run); no goal"
+    ),
     "<method>_seconds_per_iteration_vs_svgp_on_<set>": "median step time ÷ SVGP-Adam's in the same run; no goal",
 }
 
@@ -71,6 +76,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-inducing", type=int, default=200, help="M of the SVGPs and Mβ of ours")
     parser.add_argument("--num-mean-inducing", type=int, default=1000, help="Mγ of OrthNat and Hybrid")
     parser.add_argument("--vnngp-k", type=int, default=64, help="VNNGP's nearest neighbours")
+    parser.add_argument(
+        "--checkpoints",
+        type=int,
+        nargs="*",
+        default=[600, 1200],
+        help="shorter trainings read off the same run: SVGP-Adam's time after these iterations (multiples of "
+        "--eval-every, below --iterations) is also an equal-time budget",
+    )
     parser.add_argument("--output-dir", default=DEFAULT_RESULTS_DIR)
 
 
@@ -117,6 +130,11 @@ def _fit(args, config, name: str) -> tuple[dict, list[MethodResult]]:
         }
         for method, result in by_method.items()
     }
+    checkpoints = {
+        iterations: _checkpoint(by_method, iterations)
+        for iterations in args.checkpoints
+        if iterations < config.iterations
+    }
     record = {
         "dataset": name,
         "output": column,
@@ -128,8 +146,22 @@ def _fit(args, config, name: str) -> tuple[dict, list[MethodResult]]:
         "load_average_after": os.getloadavg(),
         "methods": rows,
         "wins": {ours: _wins(rows, ours) for ours in OURS},
+        "checkpoints": checkpoints,
     }
     return record, results
+
+
+def _checkpoint(by_method: dict[str, MethodResult], iterations: int) -> dict:
+    """The equal-time comparison of a shorter training, read off the run: SVGP-Adam's training time after
+    ``iterations`` (its curve's evaluation there) is the budget, every method's test NLL at that time. The step sizes
+    do not depend on the run's length, so this is what a run of ``iterations`` would have measured."""
+    (point,) = (point for point in by_method[REFERENCE].curve if point["iteration"] == iterations)
+    nll = {method: value_at_time(result.curve, point["seconds"], "nll") for method, result in by_method.items()}
+    return {
+        "svgp_seconds": point["seconds"],
+        "nll_at_svgp_time": nll,
+        "wins": {ours: all(nll[ours] <= nll[rival] for rival in GOAL_RIVALS) for ours in OURS},
+    }
 
 
 def _wins(rows: dict, ours: str) -> dict:
@@ -152,6 +184,10 @@ def _ratios(records: list[dict]) -> dict[str, float]:
         for suffix, key in (("_at_svgp_time_higher_is_better", "nll_at_svgp_time"), ("_at_equal_iterations", "nll")):
             ratios[f"{ours}_nll_wins{suffix}"] = sum(
                 all(record["wins"][ours][key][rival] for rival in GOAL_RIVALS) for record in records
+            )
+        for iterations in records[0]["checkpoints"] if records else ():
+            ratios[f"{ours}_nll_wins_at_svgp_time_after_{iterations}_iterations"] = sum(
+                record["checkpoints"][iterations]["wins"][ours] for record in records
             )
     for record in records:
         for method, row in record["methods"].items():

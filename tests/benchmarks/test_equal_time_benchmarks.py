@@ -23,7 +23,8 @@ def test_decoupled_equal_time_tiny_run(tmp_path, capsys):
     main(
         ["decoupled-equal-time", "--datasets", "kuka", "elevators", "--max-train-rows", "300", "--iterations", "6",
          "--eval-every", "3", "--warmup", "2", "--num-inducing", "10", "--num-mean-inducing", "40", "--vnngp-k", "8",
-         "--batch-size", "64", "--clock", "thread", "--no-progress", "--output-dir", str(tmp_path)]
+         "--batch-size", "64", "--clock", "thread", "--no-progress", "--checkpoints", "3", "6",
+         "--output-dir", str(tmp_path)]
     )  # fmt: skip
     payload = json.loads((tmp_path / "decoupled-equal-time.json").read_text())
     assert payload["complete"] and set(payload["goals"]) == set(EQUAL_TIME_GOALS) <= set(payload["ratios"])
@@ -43,6 +44,18 @@ def test_decoupled_equal_time_tiny_run(tmp_path, capsys):
         for record in payload["datasets"]
     )
     assert payload["ratios"]["hybrid_nll_wins_at_svgp_time_higher_is_better"] == expected
+    # A shorter training read off the run: SVGP-Adam's time after 3 iterations; 6 is the full run, not a checkpoint.
+    curves = {row["name"]: row["curve"] for row in payload["rows"]}
+    for record in payload["datasets"]:
+        assert set(record["checkpoints"]) == {"3"}
+        checkpoint = record["checkpoints"]["3"]
+        (svgp_point,) = (p for p in curves[f"svgp@{record['dataset']}"] if p["iteration"] == 3)
+        assert checkpoint["svgp_seconds"] == svgp_point["seconds"] < record["svgp_seconds"]
+        nll = checkpoint["nll_at_svgp_time"]
+        assert nll["svgp"] == pytest.approx(svgp_point["nll"])
+        assert checkpoint["wins"]["orthnat"] == (nll["orthnat"] <= min(nll["svgp"], nll["svgp-ngd"]))
+    expected = sum(record["checkpoints"]["3"]["wins"]["orthnat"] for record in payload["datasets"])
+    assert payload["ratios"]["orthnat_nll_wins_at_svgp_time_after_3_iterations"] == expected
     assert payload["datasets"][0]["output"] == 7  # KUKA fits qd1(t+1)
     assert (tmp_path / "decoupled-equal-time.png").stat().st_size > 5_000
     assert "SVGP-Adam's time" in capsys.readouterr().out
