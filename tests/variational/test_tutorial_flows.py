@@ -168,16 +168,16 @@ def _svgp_regression(natural: bool, objective: str):
 
 #: Measured: the Decoupled strategy (Cheng & Boots' parameterization, mean coefficients a of K_xa a by MeanBasisAdam,
 #: covariance factor L_B by Adam) ends these flows well short of SVGP (NGD: RMSE 0.098 vs 0.020;
-#: PredictiveLogLikelihood: 0.112 vs 0.022; LMC: 0.035 vs 0.019), and more iterations do not help (NGD flow
-#: 0.098 / 0.097 / 0.098 after 150 / 300 / 600): it is stuck, not slow. Not a bug: the KL and its output-scale gradient equal the dense process KL
-#: (19.2482, 14.2912), and from the stuck state the hyperparameters reach RMSE 0.020 and ELBO/N 0.657 (from 0.257)
-#: within 50 Adam steps once a and B are set to their closed-form optimum each step. The cause is the unwhitened mean
-#: coefficients: K_alpha of the 40 data points is singular in float64, the optimal a at the fitted (Hybrid's)
-#: hyperparameters has entries up to 38 (rms 13) where first-order steps reach about 2 in 150-300 steps, and while a
-#: lags, the hyperparameters fit the residual instead (length-scale 0.44, output scale 0.15, noise 0.029 vs 0.52 /
-#: 0.40 / 0.012) and move to where a's optimum is even further (entries ~1e4). NGD flow with a at its optimum each
-#: step (B by Adam): 0.0205, passes; with B at its optimum (a by MeanBasisAdam) it does not (0.087); a whitened mean
-#: (a = L_alpha^-T a~, O(M_alpha^3)) reaches 0.040 (NGD) / 0.063 (PLL) with L_B by Adam and 0.021 / 0.020 with B at its
+#: PredictiveLogLikelihood: 0.112 vs 0.022; LMC: 0.035 vs 0.019), and more iterations do not help (NGD flow 0.098 /
+#: 0.097 / 0.098 after 150 / 300 / 600): it is stuck, not slow. Not a bug: the KL and its output-scale gradient equal
+#: the dense process KL (19.2482, 14.2912), and from the stuck state the hyperparameters reach RMSE 0.020 and ELBO/N
+#: 0.657 (from 0.257) within 50 Adam steps once a and B are set to their closed-form optimum each step. The cause is the
+#: unwhitened mean coefficients: K_alpha of the 40 data points is singular in float64, the optimal a at the fitted
+#: (Hybrid's) hyperparameters has entries up to 38 (rms 13) where first-order steps reach about 2 in 150-300 steps, and
+#: while a lags, the hyperparameters fit the residual instead (length-scale 0.44, output scale 0.15, noise 0.029 vs 0.52
+#: / 0.40 / 0.012) and move to where a's optimum is even further (entries ~1e4). NGD flow with a at its optimum each
+#: step (B by Adam): 0.0205, passes; with B at its optimum (a by MeanBasisAdam) it does not (0.087); a whitened mean (a
+#: = L_alpha^-T a~, O(M_alpha^3)) reaches 0.040 (NGD) / 0.063 (PLL) with L_B by Adam and 0.021 / 0.020 with B at its
 #: optimum, so both blocks' parameterizations hold it back. Strict, so that a fix is noticed.
 SLOW_DECOUPLED = pytest.param(
     "decoupled",
