@@ -12,6 +12,7 @@ from torch.func import functional_call, jvp, vmap
 
 from ..variational import KalmanIncrements, KalmanVariationalStrategy
 from ._inducing_jacobians import STRUCTURED_APPROXIMATIONS, InducingJacobians
+from ._rbf_cross_tangents import RBFCrossTangents
 
 PROPAGATE = ("full", "hyperparameters", "none")
 PRIORS = ("frozen", "current")
@@ -128,7 +129,11 @@ class RecursiveGradientPropagation:
       Jacobians for :math:`\mathbf Z` and structured ones: :math:`M = 100`, :math:`d = 5`, :math:`B = 1000`
       (:math:`P = 508`): 4-8 and 0.08-0.10 (``"hyperparameters"``: 0.06-0.08), Jacobians 20 and 0.7 MiB;
       :math:`M = 20`, :math:`d = 18`, :math:`B = 300` (:math:`P = 381`): 0.2-0.4 and 0.035-0.06
-      (``"hyperparameters"``: 0.04).
+      (``"hyperparameters"``: 0.04). For a (scaled) RBF kernel, the kernel blocks' derivatives are taken in closed
+      form instead of by forward mode (checked against forward mode at each epoch's first mini-batch; a model whose
+      ``forward`` transforms the inputs falls back with a warning): with :math:`M = 100`, :math:`d = 8`,
+      :math:`B = 1000`, structured, a step costs about 35 ms instead of 90 ms, most of it the :math:`2d` products
+      :math:`(\mathbf K_{\mathbf uk}\odot\boldsymbol\delta_d^{\odot k})\mathbf K_{k\mathbf u}`.
     * ``"hyperparameters"``: every parameter except the inducing inputs :math:`\mathbf Z` (:math:`P = d + 2`, memory
       :math:`O(M^2d)`). The kernel, mean and noise gradients stay exact; the gradient of :math:`\mathbf Z` is the
       *naive* one, :math:`\partial\psi_k/\partial\mathbf Z` at fixed statistics: it drops exactly the history term
@@ -215,6 +220,10 @@ class RecursiveGradientPropagation:
         self.chunk_size = chunk_size
         self._increment_module = _Increments(model, likelihood)
         self._names = {id(parameter): name for name, parameter in self._increment_module.named_parameters()}
+        # VFE's and DTC's kernel-block tangents in closed form where the kernel is a (scaled) RBF; checked against
+        # forward mode at each epoch's first mini-batch (_closed_form_at).
+        self._closed_form = RBFCrossTangents.of(model, likelihood, self._names.get(id(self.strategy.inducing_points)))
+        self._closed_form_verified = False
         self._parameters: list[torch.nn.Parameter] = []
         for group in optimizer.param_groups:
             for parameter in group["params"]:
@@ -372,6 +381,7 @@ class RecursiveGradientPropagation:
         self._warned = set(state_dict["warned"])
         self._structure_allowed = state_dict["structure_allowed"]
         self._structure_verified = state_dict["structure_verified"]
+        self._closed_form_verified = False
         self._vector_jacobian, self._matrix_jacobian = vector, matrix
         self._inducing_jacobians = InducingJacobians(values, rows) if structured else None
 
@@ -412,6 +422,7 @@ class RecursiveGradientPropagation:
         self._configure(structured)
         self._inducing_jacobians = InducingJacobians.zeros(self.strategy.inducing_points) if structured else None
         self._structure_verified = False
+        self._closed_form_verified = False
         vector = self.strategy.statistics.information_vector
         *batch_shape, num_inducing = vector.shape
         size = sum(self._dense_sizes)
@@ -471,7 +482,7 @@ class RecursiveGradientPropagation:
         \mathbf K_{k\mathbf u}/\sigma^2` and :math:`\Delta\tilde{\boldsymbol\eta}_k = \mathbf K_{\mathbf uk}
         \mathbf r_k/\sigma^2` (:math:`\mathbf r_k = \mathbf y_k - \mu_0(\mathbf X_k)`) by the product rule from the
         tangents :math:`\dot{\mathbf K}_{\mathbf uk}`, :math:`\dot\mu_0`, :math:`\dot\sigma^2` of the kernel blocks
-        (forward mode through the kernel alone, no factorization):
+        (no factorization; for a (scaled) RBF kernel in closed form, otherwise by forward mode through the kernel):
 
         .. math::
 
@@ -488,7 +499,9 @@ class RecursiveGradientPropagation:
         dense parameters' unit vectors, one parameter at a time, and, with structured inducing inputs, one per input
         dimension that moves every inducing input along it: row :math:`m` of its :math:`\dot{\mathbf K}_{\mathbf uk}`
         is :math:`\mathbf c_{md}`, so row :math:`m` of the product is :math:`\sigma^2\boldsymbol\rho_{md}` (checked
-        against a dense pass at the first mini-batch of each epoch).
+        against a dense pass at the first mini-batch of each epoch). With the closed form, the products along all these
+        directions are combinations of :math:`2D + 1` products per mini-batch, and no :math:`M\times B` tangent goes
+        through automatic differentiation.
         """
         inducing_points = self.strategy.inducing_points
         structured = self._inducing_jacobians is not None
@@ -499,21 +512,24 @@ class RecursiveGradientPropagation:
         scale = inverse_noise.unsqueeze(-1)
         ones = (1,) * (len(latent_shape) - noise.dim())
 
-        def tangents(name: str, primal: Tensor, directions: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
+        closed_form = self._closed_form_at(x, cross, residual)
+
+        def tangents(name: str, directions: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
             r"""The increments' tangents along ``directions`` of one parameter: the products
             :math:`\dot{\mathbf K}_{\mathbf uk}\mathbf K_{k\mathbf u}` (``None`` when the parameter does not enter
             the kernel block, so that no product is taken), the vector part and :math:`\dot\sigma^2/\sigma^2`."""
-
-            def blocks(value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-                return functional_call(self._increment_module, {name: value}, (x,))
-
-            cross_tangent, mean_tangent, noise_tangent = vmap(lambda t: jvp(blocks, (primal,), (t,))[1])(directions)
-            vectors = -(cross @ mean_tangent.unsqueeze(-1)).squeeze(-1).double() * scale
-            products = None
-            if cross_tangent.any():
-                products = (cross_tangent @ cross.mT).double() * scale.unsqueeze(-1)  # (c, ..., M, M)
-                vectors += (cross_tangent @ residual).squeeze(-1).double() * scale
-            noise_tangent = noise_tangent.double().view(directions.size(0), *ones, *noise.shape)
+            count = directions.size(0)
+            if closed_form is not None and closed_form.handles(name):
+                products, vectors, noise_tangent = closed_form.tangents({name: directions})
+                noise_tangent = noise.new_zeros(count, *noise.shape) if noise_tangent is None else noise_tangent
+            else:
+                products, vectors, noise_tangent = self._forward_mode_tangents({name: directions}, x, cross, residual)
+            if products is not None:
+                products = products.double() * scale.unsqueeze(-1)  # (c, ..., M, M)
+            if vectors is None:
+                vectors = scale.new_zeros(count, *latent_shape, cross.size(-2))
+            vectors = vectors.double() * scale
+            noise_tangent = noise_tangent.double().view(count, *ones, *noise.shape)
             return products, vectors, (noise_tangent.expand(-1, *latent_shape) * inverse_noise).unsqueeze(-1)
 
         # One parameter at a time, in chunks of its unit directions: forward mode through the kernel only for the
@@ -526,7 +542,7 @@ class RecursiveGradientPropagation:
                 stop = min(start + chunk, size)
                 directions = parameter.new_zeros(stop - start, size)
                 directions[range(stop - start), range(start, stop)] = 1.0
-                products, vector, relative = tangents(name, parameter.detach(), directions.view(-1, *parameter.shape))
+                products, vector, relative = tangents(name, directions.view(-1, *parameter.shape))
                 matrix = -increments.information_matrix[..., rows, cols] * relative
                 if products is not None:
                     matrix += products[..., rows, cols] + products[..., cols, rows]
@@ -546,7 +562,7 @@ class RecursiveGradientPropagation:
             directions = inducing_points.new_zeros(stop - start, *inducing_points.shape)
             for index in range(stop - start):
                 directions[index, ..., start + index] = 1.0
-            products, vector, _ = tangents(name, inducing_points.detach(), directions)
+            products, vector, _ = tangents(name, directions)
             if products is not None:
                 increment.rows[..., start:stop, :] += products.movedim(0, -2)
             increment.values[..., start:stop] += vector.movedim(0, -1)
@@ -558,6 +574,74 @@ class RecursiveGradientPropagation:
             self._inducing_jacobians.add_(increment)
         else:  # the structure check failed: from now on dense, and this mini-batch's Jacobians again, densely
             self._add_dense_jacobians(x, y, rows, cols)
+
+    def _forward_mode_tangents(
+        self, tangents: dict[str, Tensor], x: Tensor, cross: Tensor, residual: Tensor
+    ) -> tuple[Tensor | None, Tensor, Tensor]:
+        r"""Along ``c`` directions of parameters (``tangents`` maps their names to ``(c, *shape)``), by forward mode
+        through the kernel blocks of VFE's and DTC's increments: :math:`\dot{\mathbf K}_{\mathbf uk}
+        \mathbf K_{k\mathbf u}` (None where the directions do not move the kernel block),
+        :math:`\dot{\mathbf K}_{\mathbf uk}\mathbf r_k - \mathbf K_{\mathbf uk}\dot\mu_0` and :math:`\dot\sigma^2`,
+        in the model's dtype."""
+        parameters = dict(self._increment_module.named_parameters())
+        primals = {name: parameters[name].detach() for name in tangents}
+
+        def blocks(values: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+            return functional_call(self._increment_module, values, (x,))
+
+        cross_tangent, mean_tangent, noise_tangent = vmap(lambda t: jvp(blocks, (primals,), (t,))[1])(tangents)
+        vectors = -(cross @ mean_tangent.unsqueeze(-1)).squeeze(-1)
+        products = None
+        if cross_tangent.any():
+            products = cross_tangent @ cross.mT
+            vectors = vectors + (cross_tangent @ residual).squeeze(-1)
+        return products, vectors, noise_tangent
+
+    def _closed_form_at(self, x: Tensor, cross: Tensor, residual: Tensor) -> RBFCrossTangents | None:
+        r"""The closed-form tangents of the kernel blocks, prepared for the mini-batch ``x``, or None where the model's
+        kernel has none. At the first mini-batch of each epoch (and after a restore) they are compared with one
+        forward-mode pass through the kernel blocks along a random direction of the parameters they serve; should they
+        differ (a model whose ``forward`` transforms the inputs or the kernel's output), forward mode is used for
+        good, with a warning."""
+        closed_form = self._closed_form
+        if closed_form is None:
+            return None
+        closed_form.prepare(x, cross, residual, _CACHED_ELEMENTS)
+        if self._closed_form_verified:
+            return closed_form
+        structured = [] if self._inducing_jacobians is None else [self._names[id(self.strategy.inducing_points)]]
+        served = [name for name in (*self._dense_names, *structured) if closed_form.handles(name)]
+        if not served:  # nothing to compare; no tangent will be asked of the closed form
+            return closed_form
+        parameters = dict(self._increment_module.named_parameters())
+        generator = torch.Generator().manual_seed(0)
+        directions = {
+            name: torch.randn((1, *parameters[name].shape), generator=generator, dtype=torch.float64).to(
+                parameters[name]
+            )
+            for name in served
+        }
+        expected = self._forward_mode_tangents(directions, x, cross, residual)
+        actual = closed_form.tangents(directions)
+        pairs = [
+            (torch.zeros_like(b) if a is None else a, torch.zeros_like(a) if b is None else b)
+            for a, b in zip(actual, expected, strict=True)
+            if a is not None or b is not None
+        ]
+        scale = max(float(tensor.abs().max()) for pair in pairs for tensor in pair)
+        error = max(float((a - b).abs().max()) for a, b in pairs)
+        if error <= torch.finfo(cross.dtype).eps ** 0.5 * scale:
+            self._closed_form_verified = True
+            return closed_form
+        warnings.warn(
+            f"{type(self).__name__}: the closed-form derivatives of the model's RBF kernel block differ from a "
+            f"forward-mode pass (relative difference {error / scale:.2e} along a random direction; does the model's "
+            "forward transform the inputs?); using forward mode through the kernel instead (slower).",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        self._closed_form = None
+        return None
 
     def _checked_structure(
         self, x: Tensor, y: Tensor, rows: Tensor, cols: Tensor, increment: InducingJacobians

@@ -555,3 +555,81 @@ def test_tolerances_must_be_positive(option, value):
         RecursiveGradientPropagation(
             model, likelihood, torch.optim.Adam(_parameters(model, likelihood)), **{option: value}
         )
+
+
+def _kernel(kind: str, dims: int, batch_shape: torch.Size) -> gpytorch.kernels.Kernel:
+    ard = None if kind == "scaled-isotropic" else dims
+    kernel = gpytorch.kernels.RBFKernel(ard_num_dims=ard, batch_shape=batch_shape).double()
+    kernel.lengthscale = torch.linspace(0.6, 1.1, ard or 1, dtype=F64).expand(*batch_shape, 1, ard or 1)
+    if kind == "unscaled":
+        return kernel
+    scaled = gpytorch.kernels.ScaleKernel(kernel, batch_shape=batch_shape).double()
+    scaled.outputscale = torch.full(batch_shape, 1.3, dtype=F64)
+    return scaled
+
+
+@pytest.mark.parametrize(
+    "approximation,kind,latents",
+    [
+        ("vfe", "scaled", 0),
+        ("dtc", "scaled", 0),
+        ("vfe", "unscaled", 0),
+        ("vfe", "scaled-isotropic", 0),
+        ("vfe", "scaled", 2),
+    ],
+)
+def test_closed_form_kernel_tangents_equal_forward_mode(approximation, kind, latents):
+    # VFE and DTC with a (scaled) RBF kernel: the tangents of the kernel blocks come in closed form (checked against
+    # forward mode at the first mini-batch); the epoch's gradients and Jacobians are those of forward mode through the
+    # kernel, for the kernel's, the noise's and the inducing inputs' directions (the constant mean's stay forward mode).
+    X, y, Z = problem(dims=2)
+    if latents:
+        Z, y = torch.stack([Z, Z + 0.1]), torch.stack([y, 0.5 * y])
+    model, likelihood = make_model(Z, approximation, constant_mean=True)
+    model.covar_module = _kernel(kind, 2, Z.shape[:-2])
+    blocks = blocks_of(60, 12)
+    runs = []
+    for closed_form in (True, False):
+        parameters = _parameters(model, likelihood)
+        srgp = RecursiveGradientPropagation(model, likelihood, torch.optim.SGD(parameters, lr=0.0))
+        assert srgp._closed_form is not None
+        if not closed_form:
+            srgp._closed_form = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            totals, psi, srgp = _epoch_at_zero_learning_rate(model, likelihood, X, y, blocks, _srgp=srgp)
+        assert (srgp._closed_form is not None and srgp._closed_form_verified) == closed_form
+        runs.append((totals, psi, srgp.information_jacobians()))
+    (closed, closed_psi, closed_jacobians), (forward, forward_psi, forward_jacobians) = runs
+    assert _relative_error(closed, forward) < 1e-12
+    assert closed_psi == forward_psi
+    assert _relative_error(closed_jacobians, forward_jacobians) < 1e-12
+    expected = torch.autograd.grad(oracle_bound(model, likelihood, X, y, blocks), _parameters(model, likelihood))
+    assert _relative_error(closed, expected) < 1e-10
+
+
+class _DoubledInputsGP(RecursiveGP):
+    """Doubles its inputs before the kernel: still pointwise (the structured Jacobians of Z hold), but the closed
+    form, which reads the kernel's inputs as the model's, does not."""
+
+    def forward(self, x):
+        return super().forward(2.0 * x)
+
+
+def test_closed_form_falls_back_to_forward_mode_where_it_does_not_hold():
+    X, y, Z = problem(dims=2)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    model = _DoubledInputsGP(Z, likelihood, "vfe", constant_mean=True).double()
+    optimizer = torch.optim.SGD(_parameters(model, likelihood), lr=0.0)
+    runs = {}
+    for closed_form in (True, False):  # the oracle reads the kernel, not the model's forward: compare to forward mode
+        srgp = RecursiveGradientPropagation(model, likelihood, optimizer)
+        if not closed_form:
+            srgp._closed_form = None
+        with (
+            pytest.warns(RuntimeWarning, match="closed-form derivatives") if closed_form else warnings.catch_warnings()
+        ):
+            runs[closed_form] = _epoch_at_zero_learning_rate(model, likelihood, X, y, blocks_of(60, 12), _srgp=srgp)
+        assert srgp._closed_form is None and srgp._inducing_jacobians is not None
+    (totals, psi, _), (expected, expected_psi, _) = runs[True], runs[False]
+    assert _relative_error(totals, expected) < 1e-13 and psi == expected_psi
