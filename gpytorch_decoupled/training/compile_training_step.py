@@ -1,24 +1,41 @@
 from __future__ import annotations
 
+from ..optim import RecursiveGradientPropagation
+from ..variational import KalmanVariationalStrategy
+from .kalman_update_step import KalmanUpdateStep
+from .recursive_training_step import RecursiveTrainingStep
 from .training_step import TrainingStep
 
 
-def compile_training_step(mll, optimizers, *, lean: bool = True, **compile_options) -> TrainingStep:
+def compile_training_step(
+    mll, optimizers=None, *, lean: bool = True, **compile_options
+) -> TrainingStep | RecursiveTrainingStep | KalmanUpdateStep:
     r"""
     A compiled training step, ``loss = step(x, y)``: ``-mll(model(x), y)`` on the mini-batch, its gradients and every
     optimizer's update in one :func:`torch.compile` graph with no graph break (see
     :class:`~gpytorch_decoupled.training.TrainingStep` for what runs where).
 
+    The Kalman-recursive family's steps compile through the same call, without optimizers:
+    ``compile_training_step(srgp)`` for a :class:`~gpytorch_decoupled.optim.RecursiveGradientPropagation` (its whole
+    step: bound term, total gradient with the propagated Jacobians, Kalman update, Jacobians of the increments, the
+    optimizer's step; :class:`~gpytorch_decoupled.training.RecursiveTrainingStep`, ``psi = step(x, y)`` as
+    ``srgp.step(x, y)``) and ``compile_training_step(model.variational_strategy)`` for a
+    :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` (its ``update(x, y)``;
+    :class:`~gpytorch_decoupled.training.KalmanUpdateStep`).
+
     The first call compiles (tens of seconds on a CPU; each new input shape or dtype compiles again, so keep batches
     of one size, e.g. ``drop_last=True``); from then on a step costs little more than its arithmetic. Models whose
     parts the lean path does not support (:attr:`TrainingStep.fallback_reason`) train eagerly, with a warning.
 
-    :param mll: The objective, e.g. :class:`gpytorch.mlls.VariationalELBO` (with its model and likelihood).
-    :param optimizers: One optimizer or a list (:class:`torch.optim.Adam`, :class:`gpytorch.optim.NGD`).
+    :param mll: The objective, e.g. :class:`gpytorch.mlls.VariationalELBO` (with its model and likelihood), or an SRGP
+        object, or a Kalman strategy.
+    :param optimizers: One optimizer or a list (:class:`torch.optim.Adam`, :class:`gpytorch.optim.NGD`); none for SRGP
+        (it holds its optimizer) and the Kalman update.
     :param lean: Use the lean training path where supported.
     :param compile_options: Passed to :func:`torch.compile` (``mode="reduce-overhead"`` for CUDA graphs on a GPU,
         ``dynamic`` ...).
     :return: The step.
+    :raises TypeError: If optimizers are missing for an objective, or given for SRGP or a Kalman strategy.
 
     Example:
         >>> import gpytorch, torch
@@ -43,4 +60,14 @@ def compile_training_step(mll, optimizers, *, lean: bool = True, **compile_optio
         >>> bool(losses[-1] < losses[0])
         True
     """
+    if isinstance(mll, (RecursiveGradientPropagation, KalmanVariationalStrategy)):
+        if optimizers is not None:
+            raise TypeError(
+                f"compile_training_step({type(mll).__name__}) takes no optimizers (SRGP steps its own optimizer; the "
+                "Kalman update has none)."
+            )
+        kind = RecursiveTrainingStep if isinstance(mll, RecursiveGradientPropagation) else KalmanUpdateStep
+        return kind(mll, compile=True, lean=lean, **compile_options)
+    if optimizers is None:
+        raise TypeError("compile_training_step(mll, optimizers) needs the optimizers to step.")
     return TrainingStep(mll, optimizers, compile=True, lean=lean, **compile_options)

@@ -87,27 +87,17 @@ class LeanELBO:
         reason = STRATEGY_TERMS[type(strategy)][0](strategy)
         if reason is not None:
             return reason
-        mean_module, covar_module = getattr(model, "mean_module", None), getattr(model, "covar_module", None)
-        if type(mean_module) not in (ZeroMean, ConstantMean) or mean_module.batch_shape != torch.Size([]):
-            return f"model.mean_module {type(mean_module).__name__} (supported: ZeroMean, ConstantMean)"
-        if covar_module is None or LeanKernel.of(covar_module) is None:
-            return f"model.covar_module {type(covar_module).__name__} (supported: [ScaleKernel of] RBF, Matern)"
         if LeanLikelihood.of(mll.likelihood) is None:
             return f"the likelihood {type(mll.likelihood).__name__} (supported: GaussianLikelihood)"
         if any(True for _ in model.named_priors()) or any(True for _ in mll.likelihood.named_priors()):
             return "a parameter has a prior (its log-density term is not part of the lean objective)"
         if any(True for _ in model.added_loss_terms()):
             return "the model has added loss terms"
-        if not _forward_is_prior(model, LeanKernel.of(covar_module)):
-            return "model.forward is not MultivariateNormal(mean_module(x), covar_module(x))"
-        return None
+        return unsupported_prior(model)
 
     def prior_mean(self, x: Tensor) -> Tensor:
         r"""The prior mean :math:`\mu_0(\mathbf x)`, ``(N,)``."""
-        mean_module = self.model.mean_module
-        if type(mean_module) is ZeroMean:
-            return x.new_zeros(x.shape[:-1])
-        return mean_module.constant.expand(x.shape[:-1])
+        return prior_mean(self.model, x)
 
     def draws(self) -> Tensor | None:
         """This step's random draws of the strategy (e.g. sampled KL rows), made eagerly, before a compiled region."""
@@ -123,6 +113,27 @@ class LeanELBO:
         mean, variance, kl, statistics = self._terms(self.strategy, self.kernel, self.prior_mean, x, draws)
         expected_log_lik = self.likelihood(y, mean, variance).sum(-1).div(y.size(-1))
         return kl.div(self.mll.num_data / self.mll.beta) - expected_log_lik, statistics
+
+
+def unsupported_prior(model) -> str | None:
+    """Why the lean path cannot compute the prior of ``model`` (its ``mean_module``, ``covar_module`` and
+    ``forward``), or None when it can."""
+    mean_module, covar_module = getattr(model, "mean_module", None), getattr(model, "covar_module", None)
+    if type(mean_module) not in (ZeroMean, ConstantMean) or mean_module.batch_shape != torch.Size([]):
+        return f"model.mean_module {type(mean_module).__name__} (supported: ZeroMean, ConstantMean)"
+    if covar_module is None or LeanKernel.of(covar_module) is None:
+        return f"model.covar_module {type(covar_module).__name__} (supported: [ScaleKernel of] RBF, Matern)"
+    if not _forward_is_prior(model, LeanKernel.of(covar_module)):
+        return "model.forward is not MultivariateNormal(mean_module(x), covar_module(x))"
+    return None
+
+
+def prior_mean(model, x: Tensor) -> Tensor:
+    r"""The prior mean :math:`\mu_0(\mathbf x)` of a model whose prior the lean path computes, ``(N,)``."""
+    mean_module = model.mean_module
+    if type(mean_module) is ZeroMean:
+        return x.new_zeros(x.shape[:-1])
+    return mean_module.constant.expand(x.shape[:-1])
 
 
 @torch.no_grad()

@@ -86,12 +86,7 @@ class TrainingStep:
         r"""Why the step runs eagerly on GPyTorch's general path, or None when it runs the (compiled) lean path."""
         if reason is not None:
             if lean:
-                warnings.warn(
-                    f"compile_training_step: {reason} is not supported by the lean training path; the step runs "
-                    "eagerly on GPyTorch's general path.",
-                    UserWarning,
-                    stacklevel=3,
-                )
+                warn_fallback(reason, "the lean training path", "on GPyTorch's general path")
             self._updates = []
             self._function = None
             return
@@ -195,6 +190,15 @@ def _unsupported(mll, e_steps: list, gradient_optimizers: list) -> str | None:
     if dual and not e_steps:
         return "a DualVariationalStrategy without its DualEStep among the optimizers (its sites move only by E-steps)"
     return LeanEStep.unsupported(e_steps[0], mll) if e_steps else None
+
+
+def warn_fallback(reason: str, path: str, eager: str) -> None:
+    """The one warning of a step that runs eagerly because ``path`` does not support ``reason``."""
+    warnings.warn(
+        f"compile_training_step: {reason} is not supported by {path}; the step runs eagerly {eager}.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _own_code(method: types.MethodType) -> types.MethodType:

@@ -456,6 +456,25 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         else:
             data_covariance = data_block.diagonal(dim1=-2, dim2=-1).double()
         residual = y.double() - prior.mean(1).double()
+        noise = self.noise_variance(likelihood).unsqueeze(-1) if noise is None else noise.double()
+        return self.terms_of_blocks(inducing_covariance, cross_covariance, data_covariance, residual, noise)
+
+    def terms_of_blocks(
+        self,
+        inducing_covariance: Tensor,
+        cross_covariance: Tensor,
+        data_covariance: Tensor,
+        residual: Tensor,
+        noise: Tensor,
+    ) -> tuple[ObservationTerms, Tensor]:
+        r"""
+        :meth:`observation_terms` from the mini-batch's prior blocks, float64: the jittered
+        :math:`\mathbf K_{\mathbf{uu}}` ``(..., M, M)``, :math:`\mathbf K_{\mathbf u\mathbf x}` ``(..., M, B)``, the
+        diagonal of :math:`\mathbf K_{\mathbf{xx}}` ``(..., B)`` (its whole block for PITC), the residual
+        :math:`\mathbf y - \mu_0(\mathbf x)` and the noise variance (``(..., 1)``, or one per point). The lean
+        training path (:class:`~gpytorch_decoupled.training.LeanKalmanBlocks`) computes the blocks without GPyTorch's
+        lazy kernel tensors and passes them here.
+        """
         terms = observation_terms(
             self.approximation,
             self.alpha,
@@ -463,7 +482,7 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
             cross_covariance,
             data_covariance,
             residual,
-            self.noise_variance(likelihood).unsqueeze(-1) if noise is None else noise.double(),
+            noise,
         )
         return terms, inducing_covariance
 
