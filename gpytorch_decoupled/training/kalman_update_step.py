@@ -40,7 +40,7 @@ class KalmanUpdateStep:
     def __init__(self, strategy: KalmanVariationalStrategy, *, compile: bool = True, lean: bool = True, **options):
         self.strategy = strategy
         self.likelihood = strategy.resolved_likelihood(None, "compile_training_step")
-        reason = "lean=False" if not lean else LeanKalmanBlocks.unsupported(strategy.model)
+        reason = "lean=False" if not lean else LeanKalmanBlocks.unsupported(strategy.model, self.likelihood)
         self.fallback_reason: str | None = reason
         r"""Why the step runs ``strategy.update`` eagerly, or None when it runs the (compiled) lean step."""
         if reason is not None:

@@ -8,6 +8,7 @@ from ..linalg import symmetrized
 from ..variational import KalmanIncrements, KalmanVariationalStrategy, ObservationTerms
 from .lean_elbo import prior_mean, unsupported_prior
 from .lean_kernel import LeanKernel
+from .lean_likelihood import LeanLikelihood
 
 
 class LeanKalmanBlocks(torch.nn.Module):
@@ -62,13 +63,15 @@ class LeanKalmanBlocks(torch.nn.Module):
         self.kernel = LeanKernel.of(model.covar_module)
 
     @staticmethod
-    def unsupported(model) -> str | None:
-        """Why the lean path cannot compute the blocks of ``model``, or None when it can."""
+    def unsupported(model, likelihood) -> str | None:
+        """Why the lean path cannot compute the blocks of ``model`` and ``likelihood``, or None when it can."""
         strategy = getattr(model, "variational_strategy", None)
         if type(strategy) is not KalmanVariationalStrategy:
             return f"the strategy {type(strategy).__name__} (supported: KalmanVariationalStrategy; no subclasses)"
         if strategy.inducing_points.dim() != 2 or strategy._variational_distribution.batch_shape != torch.Size([]):
             return "the inducing points or the state have a batch shape (several latents)"
+        if LeanLikelihood.of(likelihood) is None:
+            return f"the likelihood {type(likelihood).__name__} (supported: GaussianLikelihood)"
         return unsupported_prior(model)
 
     def forward(self, x: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor, Tensor]:

@@ -224,7 +224,7 @@ def _unsupported(srgp: RecursiveGradientPropagation) -> str | None:
     """Why the lean path cannot take ``srgp``'s step, or None when it can."""
     if type(srgp) is not RecursiveGradientPropagation:
         return f"{type(srgp).__name__} (supported: RecursiveGradientPropagation; no subclasses)"
-    reason = LeanKalmanBlocks.unsupported(srgp.strategy.model)
+    reason = LeanKalmanBlocks.unsupported(srgp.strategy.model, srgp.strategy.likelihood)
     if reason is not None:
         return reason
     if type(srgp.optimizer) is not torch.optim.Adam:
