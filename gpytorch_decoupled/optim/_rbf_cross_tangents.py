@@ -97,21 +97,23 @@ class RBFCrossTangents(torch.nn.Module):
         inducing_points = inducing_points.expand(*batch_shape, *inducing_points.shape[-2:]).movedim(-1, 0)
         x = x.expand(*batch_shape, *x.shape[-2:]).movedim(-1, 0)
         dims, chunk = x.size(0), max(1, chunk_elements // cross.numel())
-        products, vectors = [[], []], [[], []]
+        # The residual as one more column of the right factor: each product and its vector in one matrix product.
+        right = torch.cat([cross, residual.mT.expand(*cross.shape[:-2], 1, cross.size(-1))], dim=-2).mT
+        parts: list[list[Tensor]] = [[], []]
         for start in range(0, dims, chunk):
             difference = inducing_points[start : start + chunk].unsqueeze(-1) - x[start : start + chunk].unsqueeze(-2)
             weighted = cross
             for power in range(2):
                 weighted = weighted * difference
-                products[power].append(weighted @ cross.mT)
-                vectors[power].append((weighted @ residual).squeeze(-1))
+                parts[power].append(weighted @ right)
+        first, second, plain = torch.cat(parts[0]), torch.cat(parts[1]), cross @ right
         self._prepared = {
-            "first": torch.cat(products[0]),
-            "second": torch.cat(products[1]),
-            "first_vector": torch.cat(vectors[0]),
-            "second_vector": torch.cat(vectors[1]),
-            "square": cross @ cross.mT,
-            "vector": (cross @ residual).squeeze(-1),
+            "first": first[..., :-1],
+            "second": second[..., :-1],
+            "first_vector": first[..., -1],
+            "second_vector": second[..., -1],
+            "square": plain[..., :-1],
+            "vector": plain[..., -1],
         }
         primals = {
             name: parameter.detach()
