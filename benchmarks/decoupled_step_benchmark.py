@@ -75,8 +75,9 @@ RATIO_NOTES = {
     ),
     "kl_relative_std_at_1000": "the same at Mγ=1000 (exact by default); no goal",
     "kl_relative_std_at_1e5": (
-        "standard deviation ÷ |exact| of the training-mode KL of OrthNat at Mγ=10^5 (landmark control variate, 64 "
-        "rows drawn by |a|), over draws on one mini-batch after the step-time runs"
+        "standard deviation ÷ |exact| of the training-mode KL of OrthNat at Mγ=10^5 (64 rows drawn by |a|, "
+        "stratified by coefficient; β and the mini-batch as landmarks of the control variate), over draws on one "
+        "mini-batch after the step-time runs"
     ),
     "kl_relative_std_at_1e5_uniform_rows": (
         "the same with the previous estimator (64 rows of K_γ sampled uniformly, no control variate); no goal"

@@ -26,7 +26,14 @@ from ..gpytorch_compat import (
     compute_predictive_updates,
     whitened_cholesky_factor,
 )
-from ..linalg import jittered_cholesky, landmark_controlled_estimate, landmark_quadratic_form, symmetrized
+from ..linalg import (
+    jittered_cholesky,
+    landmark_controlled_estimate,
+    landmark_quadratic_form,
+    solve_lower,
+    symmetrized,
+)
+from ..linalg.landmark_quadratic_form import row_probabilities
 from ._fantasies import no_fantasy_model
 from ._replace_tensor import replace_tensor
 from ._strategy_multivariate_normal import _StrategyMultivariateNormal
@@ -63,8 +70,9 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
     \lVert\mathbf c\rVert^2 + R` (:meth:`residual_quadratic_form`). Where it is not exact, :math:`R` is estimated
     with :math:`\beta` as landmarks (:func:`~gpytorch_decoupled.linalg.landmark_quadratic_form`,
     :ref:`derivations-landmark-kl`): the rows of :math:`\mathbf K_\gamma` drawn in proportion to
-    :math:`\lvert a_i\rvert` come out of the step's one kernel evaluation, and so does their block with
-    :math:`\beta`; the estimate is kept in ``_residual_quadratic_form`` for the step's KL.
+    :math:`\lvert a_i\rvert` (stratified) come out of the step's one kernel evaluation, and so do their blocks with
+    :math:`\beta` and the data, which are landmarks too (:meth:`_data_landmark_residual`); the estimate is kept in
+    ``_residual_quadratic_form`` for the step's KL.
     """
 
     _step_attributes = ("_residual_coordinates", "_residual_quadratic_form")
@@ -122,18 +130,23 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
             return self.mean_basis.quadratic_form(self.mean_coefficients, indices)
         return self.residual_coordinates().pow(2).sum(-1) + self.residual_quadratic_form(indices)
 
-    def residual_quadratic_form(self, indices: Tensor | None = None) -> Tensor:
+    def residual_quadratic_form(self, indices: Tensor | None = None, data: Tensor | None = None) -> Tensor:
         r"""
         :math:`R = \mathbf a_\gamma^\top(\mathbf K_\gamma - \mathbf K_{\gamma\beta}\mathbf K_\beta^{-1}
         \mathbf K_{\beta\gamma})\mathbf a_\gamma = \mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma -
         \lVert\mathbf c\rVert^2` (with :math:`\mathbf K_\beta`'s jitter): exact where
         :meth:`mean_basis_quadratic_form` is; in training otherwise, this step's estimate with :math:`\beta` as
         landmarks (:func:`~gpytorch_decoupled.linalg.landmark_quadratic_form`), or, without the control variate, the
-        column-sampled estimate minus :math:`\lVert\mathbf c\rVert^2`. For explicit ``indices``, the estimate for
-        those draws.
+        column-sampled estimate minus :math:`\lVert\mathbf c\rVert^2`. A training step's estimate has the step's
+        data as landmarks too (:meth:`_data_landmark_residual`). For explicit ``indices``, the estimate for those
+        draws, with the inputs ``data`` as landmarks besides :math:`\beta` if given.
         """
         if indices is None and self._residual_quadratic_form is not None:
             return self._residual_quadratic_form
+        if data is not None:
+            if indices is None:
+                raise ValueError("data (extra landmarks) needs explicit indices.")
+            return self._drawn_rows_residual(indices, data)
         basis, coefficients = self.mean_basis, self.mean_coefficients
         if not basis.importance_sampling or (indices is None and basis.exact_quadratic_form()):
             return basis.quadratic_form(coefficients, indices) - self.residual_coordinates().pow(2).sum(-1)
@@ -148,6 +161,63 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
             generator=basis.generator,
             indices=indices,
         )
+
+    def _data_landmark_residual(
+        self, sampled: SampledRows, landmark_values: Tensor, landmark_covariance: Tensor, row_block: Tensor
+    ) -> Tensor:
+        r"""
+        The estimate of :math:`R` from this step's drawn rows :math:`C` with landmarks :math:`\mathbf Z = [\beta;
+        \mathbf x]`, the covariance basis and the step's data, whose products :math:`\mathbf K_{\mathbf Z\gamma}
+        \mathbf a_\gamma` (``landmark_values``) the step computes anyway: more landmarks at no cost in kernel
+        evaluations. With :math:`\mathbf c_{\mathbf Z} = \mathbf L_{\mathbf Z}^{-1}\mathbf K_{\mathbf Z\gamma}
+        \mathbf a_\gamma`, :math:`Q = \lVert\mathbf c_{\mathbf Z}\rVert^2 + R_{\mathbf Z}` for any factor
+        :math:`\mathbf L_{\mathbf Z}` (:func:`~gpytorch_decoupled.linalg.landmark_quadratic_form`), so
+
+        .. math::
+
+            \widehat R = \lVert\mathbf c_{\mathbf Z}\rVert^2 - \lVert\mathbf c\rVert^2 + \widehat R_{\mathbf Z},
+            \qquad \mathbb E\,\widehat R = R \text{ for every } \mathbf x,
+
+        and :math:`R_{\mathbf Z} \leq R` leaves less to sample (:ref:`derivations-landmark-kl`). The small
+        :math:`(M_\beta + N_b)`-sized algebra runs in float64 with the strategy's jitter (the data may repeat points
+        of :math:`\beta`), so that :math:`\mathbf a^\top\mathbf h = \lVert\mathbf c_{\mathbf Z}\rVert^2` holds to
+        rounding; the result has the coefficients' dtype.
+
+        :param sampled: The drawn rows, their probabilities and :math:`\mathbf K_{C\gamma}\mathbf a_\gamma`.
+        :param landmark_values: :math:`\mathbf K_{\mathbf Z\gamma}\mathbf a_\gamma`, ``(..., M_beta + N_b)``.
+        :param landmark_covariance: :math:`\mathbf K_{\mathbf Z}`, dense.
+        :param row_block: :math:`\mathbf K_{C\mathbf Z}`, dense.
+        """
+        coefficients = self.mean_coefficients
+        factor = jittered_cholesky(
+            landmark_covariance.double(), jitter=self.jitter_val, name="kernel matrix of the covariance basis and data"
+        )
+        coordinates = solve_lower(factor, landmark_values.double().unsqueeze(-1)).squeeze(-1)
+        sampled_part = landmark_controlled_estimate(
+            coefficients[..., sampled.indices].double(),
+            sampled.values.double(),
+            row_block.double(),
+            coordinates,
+            factor,
+            sampled.probabilities,
+        )
+        landmark_part = coordinates.pow(2).sum(-1) - self.residual_coordinates().double().pow(2).sum(-1)
+        return (landmark_part + sampled_part).type(coefficients.dtype)
+
+    def _drawn_rows_residual(self, indices: Tensor, data: Tensor) -> Tensor:
+        """:meth:`_data_landmark_residual` for explicit draws and data, every block evaluated here."""
+        basis, coefficients = self.mean_basis, self.mean_coefficients
+        beta = self.inducing_points
+        data = checked_inputs(data, beta, self.model)
+        batch_shape = torch.broadcast_shapes(beta.shape[:-2], data.shape[:-2])
+        landmarks = torch.cat([beta.expand(*batch_shape, -1, -1), data.expand(*batch_shape, -1, -1)], dim=-2)
+        drawn = basis.inducing_points.index_select(-2, indices).expand(*batch_shape, -1, -1)
+        values = basis.values(torch.cat([drawn, landmarks], dim=-2), coefficients)
+        row_values, landmark_values = values.split([indices.numel(), landmarks.size(-2)], dim=-1)
+        sampled = SampledRows(indices, row_probabilities(coefficients).index_select(-1, indices), row_values)
+        landmark_covariance = basis.cross_covariance(landmarks, landmarks).to_dense()
+        row_block = basis.cross_covariance(drawn, landmarks).to_dense()
+        return self._data_landmark_residual(sampled, landmark_values, landmark_covariance, row_block)
 
     def _sampled_residual(self, sampled: SampledRows, chol: LinearOperator, landmark_block: Tensor) -> None:
         r"""Keeps this step's estimate of :math:`R` from the drawn rows' values and their block with :math:`\beta`."""
@@ -275,8 +345,18 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
                 chol = self._beta_cholesky(prior.covariance(0, 0))
                 coordinates = self._set_residual_coordinates(beta_values, chol)
                 sampled = self.mean_basis.sampled_rows
-                if sampled is not None:  # input set 1 holds the drawn rows
-                    self._sampled_residual(sampled, chol, prior.covariance(1, 0).to_dense())
+                if sampled is not None:  # input set 1 holds the drawn rows, set 2 the data: with beta, the landmarks
+                    landmark_covariance = torch.cat(
+                        [
+                            torch.cat([prior.covariance(0, 0).to_dense(), prior.covariance(0, 2).to_dense()], -1),
+                            torch.cat([prior.covariance(2, 0).to_dense(), prior.covariance(2, 2).to_dense()], -1),
+                        ],
+                        dim=-2,
+                    )
+                    row_block = torch.cat([prior.covariance(1, 0).to_dense(), prior.covariance(1, 2).to_dense()], -1)
+                    self._residual_quadratic_form = self._data_landmark_residual(
+                        sampled, torch.cat([beta_values, data_values], -1), landmark_covariance, row_block
+                    )
                 blocks = JointPrior(prior.distribution, prior.sizes[:-1])  # without gamma: the data are the last set
                 mean, covariance = self._predictive(
                     blocks,

@@ -34,8 +34,9 @@ class HybridVariationalStrategy(_ResidualMeanVariationalStrategy):
     where :math:`\mathbf a_\gamma^\top \mathbf K_\gamma \mathbf a_\gamma = \lVert\mathbf c\rVert^2 +
     \mathbf a_\gamma^\top\mathbf K_{\gamma\perp\beta}\mathbf a_\gamma` is exact for a mean basis of up to
     ``exact_kl_size`` (4,096) points (one sweep over cache-sized tiles of :math:`\mathbf K_\gamma`) and for a larger
-    one estimated in training from ``num_kl_columns`` rows drawn in proportion to :math:`\lvert a_{\gamma,i}\rvert`,
-    with :math:`\beta` as the landmarks of a control variate (:ref:`derivations-landmark-kl`), so a step costs
+    one estimated in training from ``num_kl_columns`` rows drawn in proportion to :math:`\lvert a_{\gamma,i}\rvert`
+    (stratified), with :math:`\beta` and the step's mini-batch as the landmarks of a control variate
+    (:ref:`derivations-landmark-kl`), so a step costs
     :math:`O(N_b(M_\gamma + M_\beta^2) + M_\beta M_\gamma + bM_\gamma + M_\beta^3)`.
     With :math:`\mathbf a_\gamma = \mathbf 0` it is exactly GPyTorch's SVGP.
 

@@ -50,7 +50,7 @@ class MeanBasisValues(NamedTuple):
 
 class SampledRows(NamedTuple):
     r"""A training step's rows :math:`C` of :math:`\mathbf K_\alpha` for an importance-sampled quadratic form: the
-    indices (drawn with replacement), their probabilities and :math:`\mathbf K_{C\alpha}\mathbf a`."""
+    indices (drawn with replacement, stratified), their probabilities and :math:`\mathbf K_{C\alpha}\mathbf a`."""
 
     indices: Tensor  # shape: (b,)
     probabilities: Tensor  # shape: (b,)
@@ -109,7 +109,7 @@ class MeanBasis(Module):
     :param exact_kl_size: The quadratic form of a basis of at most this many points is exact in training too (one
         sweep over the tiles of :math:`\mathbf K_\alpha`, :math:`O(M^2)` time and memory of one tile): zero variance
         where that is cheap.
-    :param importance_sampling: Draw the rows with replacement with probabilities :math:`\propto \lvert a_i\rvert`
+    :param importance_sampling: Draw the rows with probabilities :math:`\propto \lvert a_i\rvert`, stratified,
         and keep them with their values (``sampled_rows``) for the owning strategy's control-variate estimate
         (:func:`~gpytorch_decoupled.linalg.landmark_quadratic_form`), instead of uniformly without replacement.
     :param kl_block_size: Rows of :math:`\mathbf K_\alpha` evaluated at once by the exact quadratic form.

@@ -42,8 +42,9 @@ class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy)
     ``num_kl_columns=None``: one sweep over cache-sized tiles of the upper triangle of :math:`\mathbf K_\gamma`,
     :math:`O(M_\gamma^2)` time and the memory of one tile. For a larger basis it is estimated without bias from
     ``num_kl_columns`` rows of :math:`\mathbf K_\gamma` drawn in proportion to :math:`\lvert a_{\gamma,i}\rvert`, with
-    :math:`\beta` as landmarks of a control variate that takes out the part of the mean that :math:`\beta` represents
-    (:ref:`derivations-landmark-kl`), so that only :math:`\mathbf K_{\gamma\perp\beta}` is sampled. No
+    :math:`\beta` (and the step's mini-batch, whose products the step computes anyway) as landmarks of a control
+    variate that takes out the part of the mean that they represent (:ref:`derivations-landmark-kl`); the draws are
+    stratified by coefficient. No
     :math:`M_\gamma \times M_\gamma` matrix is ever formed: a training step then costs :math:`O(N_b (M_\gamma +
     M_\beta^2) + M_\beta M_\gamma + b M_\gamma + M_\beta^3)`.
 

@@ -99,6 +99,63 @@ def test_landmark_estimate_averages_to_the_exact_value_and_gradient(kind: str) -
         torch.testing.assert_close(accumulated, expected, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("kind", RESIDUAL_KINDS)
+def test_with_the_data_as_landmarks_the_estimate_averages_to_the_exact_value_and_gradient(kind: str) -> None:
+    # A training step's estimate has the step's data as landmarks besides beta; for every data set the expectation
+    # over one draw i ~ p is a finite sum, so unbiasedness (value and gradients) is checked exactly, for data that
+    # repeat a point of beta too (a singular landmark matrix but for the jitter).
+    D = finite_domain(46)
+    model = _model(kind, D, seed=47, smooth=3.0, num_kl_columns=1, exact_kl_size=0)
+    strategy = model.variational_strategy
+    model.train()
+    params = [strategy.mean_coefficients, strategy.mean_inducing_points, model.covar_module.raw_outputscale]
+    exact_value = _residual_oracle(model).detach()
+    exact_grads = torch.autograd.grad(_exact(model, strategy.residual_quadratic_form), params)
+    probabilities = row_probabilities(strategy.mean_coefficients)
+    for data in (D[14:20], torch.cat([D[14:18], D[:2]])):
+        total, total_grads = 0.0, [torch.zeros_like(p) for p in params]
+        values = []
+        for index in range(9):
+            strategy._clear_cache()
+            value = strategy.residual_quadratic_form(indices=torch.tensor([index]), data=data)
+            values.append(value.detach())
+            total = total + probabilities[index] * value.detach()
+            for accumulated, grad in zip(total_grads, torch.autograd.grad(value, params), strict=True):
+                accumulated += probabilities[index] * grad
+        torch.testing.assert_close(total, exact_value, rtol=1e-9, atol=1e-9)
+        for accumulated, expected in zip(total_grads, exact_grads, strict=True):
+            torch.testing.assert_close(accumulated, expected, rtol=1e-8, atol=1e-9)
+        assert torch.stack(values).std() > 1e-3 * exact_value.abs()  # the draws differ: a test that could fail
+
+
+@pytest.mark.parametrize("kind", RESIDUAL_KINDS)
+def test_training_steps_kl_averages_to_the_exact_float64_kl(kind: str) -> None:
+    # The whole training-mode estimate (stratified draws from the basis's generator, beta and the step's data as
+    # landmarks, fused with the forward pass) over many steps against the exact KL: within 4 standard errors, and the
+    # standard error is small enough (under 1% of the KL's mean-basis term) for a bias of that size to fail.
+    D = finite_domain(48)
+    model = _model(kind, D, seed=49, smooth=3.0, num_kl_columns=3, exact_kl_size=0)
+    strategy = model.variational_strategy
+    strategy.mean_basis.generator = torch.Generator().manual_seed(50)
+    model.eval()
+    with torch.no_grad():
+        exact = strategy.kl_divergence()
+        quadratic = strategy.mean_quadratic_form() if kind == "orthogonal" else strategy.mean_basis_quadratic_form()
+    model.train()
+    gen = generator(51)
+    draws = []
+    with torch.no_grad():
+        for _ in range(300):
+            strategy._clear_cache()
+            model(D[14:][torch.randperm(16, generator=gen)[:6]])
+            draws.append(strategy.kl_divergence())
+    draws = torch.stack(draws)
+    standard_error = draws.std() / len(draws) ** 0.5
+    assert draws.std() > 1e-4 * exact.abs()
+    assert standard_error < 0.01 * quadratic.abs()
+    assert (draws.mean() - exact).abs() < 4 * standard_error, (draws.mean(), exact, standard_error)
+
+
 def _exact(model, form) -> torch.Tensor:
     """The exact form with a graph (eval mode computes it exactly)."""
     model.eval()
@@ -125,8 +182,9 @@ def test_the_training_step_draws_from_the_basis_generator_and_its_kl_is_that_dra
             kls.append(strategy.kl_divergence())
             indices = basis.sampled_rows.indices
             assert strategy.kl_divergence() == kls[-1]  # one estimate per step
-            # The fused rows (drawn with the data's kernel row) give the estimate of the same draws made afresh.
-            fresh = strategy.residual_quadratic_form(indices=indices)
+            # The fused rows (drawn with the data's kernel row, the data also landmarks) give the estimate of the same
+            # draws made afresh.
+            fresh = strategy.residual_quadratic_form(indices=indices, data=D[14:20])
             torch.testing.assert_close(strategy.residual_quadratic_form(), fresh, rtol=1e-11, atol=1e-11)
     assert kls[0] == kls[1]  # the caller's generator makes the step reproducible
     with torch.no_grad():
