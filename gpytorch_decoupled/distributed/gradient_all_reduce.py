@@ -44,9 +44,10 @@ class GradientAllReduce:
     The parameters and buffers of ``modules`` are broadcast from rank 0 when it is built (as DDP does), so that every
     rank starts from one state; they then stay equal, because every rank takes the same steps. A column-sampled KL
     draws its rows from the mean basis's own generator, which is broadcast with the state, so every rank samples the
-    same rows; Monte Carlo likelihoods draw from each rank's global generator (seed every rank alike with
-    ``torch.manual_seed``; they then still draw different samples for different data, unbiased but not bitwise those
-    of one process).
+    same rows (the hybrid and orthogonal strategies' estimate also uses each rank's shard as landmarks unless built
+    with ``kl_data_landmarks=False``: unbiased, but not bitwise the KL of one process); Monte Carlo likelihoods draw
+    from each rank's global generator (seed every rank alike with ``torch.manual_seed``; they then still draw
+    different samples for different data, unbiased but not bitwise those of one process).
 
     A NaN or inf in any rank's gradient, or an exception inside :meth:`synchronize`, raises the same
     :class:`~gpytorch_decoupled.distributed.DistributedStepError` on every rank before the optimizer is called, so

@@ -71,8 +71,8 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
     with :math:`\beta` as landmarks (:func:`~gpytorch_decoupled.linalg.landmark_quadratic_form`,
     :ref:`derivations-landmark-kl`): the rows of :math:`\mathbf K_\gamma` drawn in proportion to
     :math:`\lvert a_i\rvert` (stratified) come out of the step's one kernel evaluation, and so do their blocks with
-    :math:`\beta` and the data, which are landmarks too (:meth:`_data_landmark_residual`); the estimate is kept in
-    ``_residual_quadratic_form`` for the step's KL.
+    :math:`\beta` and the data, which are landmarks too (:meth:`_data_landmark_residual`, unless
+    ``kl_data_landmarks=False``); the estimate is kept in ``_residual_quadratic_form`` for the step's KL.
     """
 
     _step_attributes = ("_residual_coordinates", "_residual_quadratic_form")
@@ -97,6 +97,7 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
         jitter_val: float | None = None,
         exact_kl_size: int = EXACT_KL_SIZE,
         kl_control_variate: bool = True,
+        kl_data_landmarks: bool = True,
     ):
         super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
         self.mean_basis = MeanBasis(
@@ -111,6 +112,7 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
             exact_kl_size=exact_kl_size,
             importance_sampling=kl_control_variate,
         )
+        self.kl_data_landmarks = kl_data_landmarks
         self.register_load_state_dict_pre_hook(functools.partial(load_renamed_keys, _OLD_KEYS, ("updated_strategy",)))
 
     # ------------------------------------------------------------------ the mean basis
@@ -345,7 +347,9 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
                 chol = self._beta_cholesky(prior.covariance(0, 0))
                 coordinates = self._set_residual_coordinates(beta_values, chol)
                 sampled = self.mean_basis.sampled_rows
-                if sampled is not None:  # input set 1 holds the drawn rows, set 2 the data: with beta, the landmarks
+                if sampled is not None and not self.kl_data_landmarks:  # input set 1 holds the drawn rows
+                    self._sampled_residual(sampled, chol, prior.covariance(1, 0).to_dense())
+                elif sampled is not None:  # and set 2 the data: with beta, the landmarks
                     landmark_covariance = torch.cat(
                         [
                             torch.cat([prior.covariance(0, 0).to_dense(), prior.covariance(0, 2).to_dense()], -1),

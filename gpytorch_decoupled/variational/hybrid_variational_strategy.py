@@ -63,6 +63,10 @@ class HybridVariationalStrategy(_ResidualMeanVariationalStrategy):
     :param kl_control_variate: Estimate the sampled KL with :math:`\beta` as landmarks and rows drawn by
         :math:`\lvert a_{\gamma,i}\rvert` (default); False samples rows of :math:`\mathbf K_\gamma` uniformly
         (:ref:`derivations-column-sampled-kl`), with far more variance.
+    :param kl_data_landmarks: With the control variate, use each training step's mini-batch as landmarks too
+        (default): less variance at no extra kernel evaluation. The estimate then depends on the batch, so data-parallel
+        ranks (:class:`~gpytorch_decoupled.distributed.GradientAllReduce`) each estimate the KL with their own shard:
+        still unbiased, but not bitwise the KL of one process on the union batch; False restores that.
 
     Example:
         >>> import gpytorch, torch

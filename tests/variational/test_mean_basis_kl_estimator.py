@@ -167,10 +167,13 @@ def _exact(model, form) -> torch.Tensor:
         model.variational_strategy._clear_cache()
 
 
+@pytest.mark.parametrize("data_landmarks", [True, False])
 @pytest.mark.parametrize("kind", RESIDUAL_KINDS)
-def test_the_training_step_draws_from_the_basis_generator_and_its_kl_is_that_draws_estimate(kind: str) -> None:
+def test_the_training_step_draws_from_the_basis_generator_and_its_kl_is_that_draws_estimate(
+    kind: str, data_landmarks: bool
+) -> None:
     D = finite_domain(44)
-    model = _model(kind, D, seed=45, smooth=3.0, num_kl_columns=3, exact_kl_size=0)
+    model = _model(kind, D, seed=45, smooth=3.0, num_kl_columns=3, exact_kl_size=0, kl_data_landmarks=data_landmarks)
     strategy = model.variational_strategy
     basis = strategy.mean_basis
     model.train()
@@ -184,7 +187,7 @@ def test_the_training_step_draws_from_the_basis_generator_and_its_kl_is_that_dra
             assert strategy.kl_divergence() == kls[-1]  # one estimate per step
             # The fused rows (drawn with the data's kernel row, the data also landmarks) give the estimate of the same
             # draws made afresh.
-            fresh = strategy.residual_quadratic_form(indices=indices, data=D[14:20])
+            fresh = strategy.residual_quadratic_form(indices=indices, data=D[14:20] if data_landmarks else None)
             torch.testing.assert_close(strategy.residual_quadratic_form(), fresh, rtol=1e-11, atol=1e-11)
     assert kls[0] == kls[1]  # the caller's generator makes the step reproducible
     with torch.no_grad():
