@@ -9,6 +9,7 @@ It lives beside its results, outside the package: the library never imports it, 
 from .baselines_benchmark import BASELINES
 from .benchmark import Benchmark
 from .collapsed_fit_benchmark import COLLAPSED_FIT
+from .compiled_recursive_step_benchmark import COMPILED_RECURSIVE_STEP
 from .compiled_step_benchmark import COMPILED_STEP
 from .decoupled_accuracy_benchmark import DECOUPLED_ACCURACY
 from .decoupled_equal_time_benchmark import DECOUPLED_EQUAL_TIME
@@ -49,6 +50,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         KERNEL_SELECTION,
         DISTRIBUTED,
         COMPILED_STEP,
+        COMPILED_RECURSIVE_STEP,
     )
 }
 

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from gpytorch_decoupled.optim import RecursiveGradientPropagation
+from gpytorch_decoupled.training import compile_training_step
 from gpytorch_decoupled.variational import KalmanVariationalStrategy
 
 from .approximate_regression_model import ApproximateRegressionModel
@@ -56,6 +57,8 @@ class RecursiveMethod(Method):
     :param propagate: ``"full"`` (default), ``"hyperparameters"`` or ``"none"``.
     :param seed: Seed for the inducing-point draw and initial parameters.
     :param batch_size: Rows per block of the clean pass and of predictions.
+    :param compile_options: When given, steps run compiled, through
+        :func:`~gpytorch_decoupled.training.compile_training_step` with these options (``{}``: Inductor).
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class RecursiveMethod(Method):
         propagate: str = "full",
         seed: int = 0,
         batch_size: int = 1024,
+        compile_options: dict | None = None,
     ):
         torch.manual_seed(seed)
         inducing_points = initial_inducing_points(train_x, num_inducing, seed)
@@ -94,6 +98,7 @@ class RecursiveMethod(Method):
         label = f"SRGP (Kalman, {approximation.upper()})"
         super().__init__(label, f"M={num_inducing}", model, likelihood, batch_size)
         self.srgp = RecursiveGradientPropagation(model, likelihood, optimizer, propagate=propagate)
+        self._step = self.srgp.step if compile_options is None else compile_training_step(self.srgp, **compile_options)
         self.train_x = train_x
         self.train_y = train_y
         self._epoch_rows = train_y.size(0)  # a full epoch "has been seen": the first step starts one
@@ -106,7 +111,7 @@ class RecursiveMethod(Method):
         if self._epoch_rows >= self.train_y.size(0):
             self.srgp.start_epoch()
             self._epoch_rows = 0
-        self.srgp.step(x, y)
+        self._step(x, y)
         self._epoch_rows += y.size(0)
         self._steps += 1
 

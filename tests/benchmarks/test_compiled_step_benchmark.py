@@ -37,3 +37,22 @@ def test_compiled_configurations_take_the_lean_path(config, recwarn):
     y = torch.sin(x.sum(-1))
     make_step(config, x, y, x[:10].clone(), x[10:40].clone())
     assert not [warning for warning in recwarn if "lean training path" in str(warning.message)]
+
+
+def test_compiled_recursive_step_tiny_run(tmp_path, capsys, recwarn):
+    # one input dimension and Dynamo alone (backend "eager"): the plumbing, in seconds (tests/training tests the steps)
+    main(
+        ["compiled-recursive-step", "--dataset", "co2", "--num-inducing", "6", "--batch-size", "16",
+         "--iterations", "2", "--warmup", "1", "--repeats", "2", "--max-train-rows", "200", "--backend", "eager",
+         "--output-dir", str(tmp_path)]
+    )  # fmt: skip
+    payload = json.loads((tmp_path / "compiled-recursive-step.json").read_text())
+    ratios = payload["ratios"]
+    assert ratios["compiled_srgp_step_vs_eager"] > 0 and ratios["compiled_update_vs_eager"] > 0
+    assert ratios["srgp_compile_seconds"] > 0 and ratios["update_compile_seconds"] > 0
+    assert len(payload["repeats"]) == 2 and set(payload["first_call"]) == {
+        "srgp_eager", "srgp_compiled", "update_eager", "update_compiled"
+    }  # fmt: skip
+    assert "first call" in capsys.readouterr().out
+    # the compiled methods take the lean path (a fallback would time the eager step under the compiled name)
+    assert not [warning for warning in recwarn if "not supported" in str(warning.message)]

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpytorch_decoupled.optim import RecursiveGradientPropagation
 from gpytorch_decoupled.training import TrainingStep, compile_training_step
+from tests.recursive_problems import make_model, problem
 from tests.training.training_cases import make_case, optimizers
 
 pytestmark = [pytest.mark.inductor, pytest.mark.usefixtures("single_thread")]
@@ -55,3 +57,28 @@ def test_reduce_overhead_mode_runs_and_equals_eager():
 @pytest.mark.cuda
 def test_cuda_graphs_step_equals_eager():
     _assert_steps_equal(*_pair(device="cuda", mode="reduce-overhead"))
+
+
+def test_inductor_srgp_step_equals_eager():
+    # SRGP's whole step (VFE, every parameter propagated, structured inducing-input Jacobians, the prior frozen at the
+    # epoch's start) and the Kalman update through Inductor, against srgp.step and strategy.update.
+    x, y, z = problem(dims=2)
+    pairs = []
+    for _ in range(2):
+        model, likelihood = make_model(z, constant_mean=True)
+        adam = torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=0.05)
+        pairs.append(RecursiveGradientPropagation(model, likelihood, adam))
+    srgp, reference = pairs
+    step = compile_training_step(srgp)
+    for index in range(3):
+        batch = slice(12 * index, 12 * (index + 1))
+        torch.testing.assert_close(step(x[batch], y[batch]), reference.step(x[batch], y[batch]), rtol=1e-10, atol=0)
+    for value, expected in [
+        *zip(srgp.strategy.model.state_dict().values(), reference.strategy.model.state_dict().values(), strict=True),
+        (srgp._vector_jacobian, reference._vector_jacobian),
+        (srgp._matrix_jacobian, reference._matrix_jacobian),
+        (srgp._inducing_jacobians.rows, reference._inducing_jacobians.rows),
+    ]:
+        torch.testing.assert_close(value, expected, rtol=1e-9, atol=1e-11)
+    update, expected_model = compile_training_step(srgp.strategy), reference.strategy.model
+    torch.testing.assert_close(update(x[-12:], y[-12:]), expected_model.variational_strategy.update(x[-12:], y[-12:]))
