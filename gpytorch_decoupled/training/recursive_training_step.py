@@ -15,12 +15,13 @@ class RecursiveTrainingStep:
     r"""
     SRGP's step (:meth:`~gpytorch_decoupled.optim.RecursiveGradientPropagation.step`, `Schuerch et al. (2020)`_,
     Sec. 4.1, eqs. 26-28) as one function that :func:`torch.compile` captures whole, ``psi = step(x, y)``: the
-    mini-batch's bound term :math:`\psi_k` from the stored statistics and its reverse pass, the total gradient with the propagated Jacobians (:math:`\mathbf g_k = \partial\psi_k/\partial\theta +
-    \mathbf J_\eta^\top\bar{\boldsymbol\eta} + \langle\mathbf J_\Lambda, \bar{\boldsymbol\Lambda}\rangle`), the
-    Kalman update (the closed-form absorption of the mini-batch), the forward-mode Jacobians of its increments added
-    to the propagated ones, and the optimizer's step, in one graph with no graph break. With ``propagate="none"`` it
-    is the Kalman update and one hyperparameter step on the mini-batch's term of the recursive collapsed bound at the
-    stored statistics. Built by :func:`~gpytorch_decoupled.training.compile_training_step`.
+    mini-batch's bound term :math:`\psi_k` from the stored statistics and its reverse pass, the total gradient with the
+    propagated Jacobians (:math:`\mathbf g_k = \partial\psi_k/\partial\theta + \mathbf J_\eta^\top
+    \bar{\boldsymbol\eta} + \langle\mathbf J_\Lambda, \bar{\boldsymbol\Lambda}\rangle`), the Kalman update (the
+    closed-form absorption of the mini-batch), the forward-mode Jacobians of its increments added to the propagated
+    ones, and the optimizer's step, in one graph with no graph break. With ``propagate="none"`` it is the Kalman update
+    and one hyperparameter step on the mini-batch's term of the recursive collapsed bound at the stored statistics.
+    Built by :func:`~gpytorch_decoupled.training.compile_training_step`.
 
     It reads and updates the SRGP object's own state (its Jacobians and epoch, the strategy's statistics, the
     optimizer's state), so compiled and eager steps (``srgp.step``), ``start_epoch()`` and ``state_dict()`` mix
