@@ -77,6 +77,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-mean-inducing", type=int, default=1000, help="Mγ of OrthNat and Hybrid")
     parser.add_argument("--vnngp-k", type=int, default=64, help="VNNGP's nearest neighbours")
     parser.add_argument(
+        "--other-baselines",
+        nargs="*",
+        choices=[method for method in BASELINES if method not in GOAL_RIVALS],
+        default=[method for method in BASELINES if method not in GOAL_RIVALS],
+        help="baselines beside SVGP-Adam and SVGP-NGD (which the goal needs and always run)",
+    )
+    parser.add_argument(
         "--checkpoints",
         type=int,
         nargs="*",
@@ -90,14 +97,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def _methods(args: argparse.Namespace) -> list[tuple[str, dict]]:
     sizes = {"num_inducing": args.num_inducing}
     ours = {**sizes, "num_mean_inducing": args.num_mean_inducing}
-    return [
-        ("orthnat", ours),
-        ("hybrid", ours),
-        ("svgp", sizes),
-        ("svgp-ngd", sizes),
-        ("svgp-large-batch", sizes),
-        ("vnngp", {"k": args.vnngp_k, "training_batch_size": args.batch_size}),
-    ]
+    options = {
+        "orthnat": ours,
+        "hybrid": ours,
+        "svgp": sizes,
+        "svgp-ngd": sizes,
+        "svgp-large-batch": sizes,
+        "vnngp": {"k": args.vnngp_k, "training_batch_size": args.batch_size},
+    }
+    return [(method, options[method]) for method in (*OURS, *GOAL_RIVALS, *args.other_baselines)]
 
 
 def _fit(args, config, name: str) -> tuple[dict, list[MethodResult]]:
