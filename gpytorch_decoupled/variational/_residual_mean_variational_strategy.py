@@ -350,16 +350,22 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
                 if sampled is not None and not self.kl_data_landmarks:  # input set 1 holds the drawn rows
                     self._sampled_residual(sampled, chol, prior.covariance(1, 0).to_dense())
                 elif sampled is not None:  # and set 2 the data: with beta, the landmarks
-                    landmark_covariance = torch.cat(
+                    # One block of [beta; C; x] with itself, sliced here: every block of the joint prior sliced
+                    # separately would cost a gradient as large as all its inputs, gamma included, in the backward pass.
+                    small = prior.covariance(slice(0, 3), slice(0, 3)).to_dense()
+                    m_beta, num_drawn = prior.sizes[0], prior.sizes[1]
+                    landmarks = torch.cat(
                         [
-                            torch.cat([prior.covariance(0, 0).to_dense(), prior.covariance(0, 2).to_dense()], -1),
-                            torch.cat([prior.covariance(2, 0).to_dense(), prior.covariance(2, 2).to_dense()], -1),
-                        ],
-                        dim=-2,
+                            torch.arange(m_beta, device=small.device),
+                            torch.arange(m_beta + num_drawn, small.size(-1), device=small.device),
+                        ]
                     )
-                    row_block = torch.cat([prior.covariance(1, 0).to_dense(), prior.covariance(1, 2).to_dense()], -1)
+                    landmark_rows = small.index_select(-2, landmarks)
                     self._residual_quadratic_form = self._data_landmark_residual(
-                        sampled, torch.cat([beta_values, data_values], -1), landmark_covariance, row_block
+                        sampled,
+                        torch.cat([beta_values, data_values], -1),
+                        landmark_rows.index_select(-1, landmarks),
+                        small[..., m_beta : m_beta + num_drawn, :].index_select(-1, landmarks),
                     )
                 blocks = JointPrior(prior.distribution, prior.sizes[:-1])  # without gamma: the data are the last set
                 mean, covariance = self._predictive(

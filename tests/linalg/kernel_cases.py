@@ -56,7 +56,7 @@ def oracle_block(kernel: gpytorch.kernels.Kernel, x1: Tensor, x2: Tensor) -> Ten
 
 class LargestTensor(TorchDispatchMode):
     """Records the number of elements of the largest tensor any operation creates, and the elements passed through
-    ``exp``, while active."""
+    ``exp`` or ``exp2``, while active."""
 
     def __init__(self):
         super().__init__()
@@ -73,7 +73,12 @@ class LargestTensor(TorchDispatchMode):
         for output in outputs:
             if isinstance(output, Tensor):
                 self.largest = max(self.largest, output.numel())
-                if func.overloadpacket in (torch.ops.aten.exp, torch.ops.aten.exp_):
+                if func.overloadpacket in (
+                    torch.ops.aten.exp,
+                    torch.ops.aten.exp_,
+                    torch.ops.aten.exp2,
+                    torch.ops.aten.exp2_,
+                ):
                     self.exponentials += output.numel()
         return result
 
