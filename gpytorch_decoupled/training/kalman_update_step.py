@@ -33,6 +33,26 @@ class KalmanUpdateStep:
     :param compile_options: Keyword arguments of :func:`torch.compile`.
     :raises ValueError: If the strategy has no likelihood.
 
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpytorch_decoupled.training import compile_training_step
+        >>> from gpytorch_decoupled.variational import KalmanVariationalStrategy
+        >>> class RecursiveGP(gpytorch.models.ApproximateGP):
+        ...     def __init__(self, z, likelihood):
+        ...         super().__init__(KalmanVariationalStrategy(self, z, likelihood=likelihood))
+        ...         self.mean_module = gpytorch.means.ZeroMean()
+        ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        ...     def forward(self, x):
+        ...         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+        >>> likelihood = gpytorch.likelihoods.GaussianLikelihood()
+        >>> model = RecursiveGP(torch.linspace(-3, 3, 8).unsqueeze(-1), likelihood)
+        >>> x = torch.linspace(-3, 3, 200).unsqueeze(-1)
+        >>> y = torch.sin(2 * x.squeeze(-1))
+        >>> update = compile_training_step(model.variational_strategy, backend="eager")  # "inductor" is faster
+        >>> psi = [update(x_batch, y_batch) for x_batch, y_batch in zip(x.split(50), y.split(50))]
+        >>> model.variational_strategy.num_observed
+        200
+
     .. _Schuerch et al. (2020):
         https://arxiv.org/abs/1910.08393
     """

@@ -51,6 +51,30 @@ class RecursiveTrainingStep:
     :param lean: Use the lean path where supported (False: always ``srgp.step``).
     :param compile_options: Keyword arguments of :func:`torch.compile`.
 
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpytorch_decoupled.training import compile_training_step
+        >>> from gpytorch_decoupled.variational import KalmanVariationalStrategy
+        >>> class RecursiveGP(gpytorch.models.ApproximateGP):
+        ...     def __init__(self, z, likelihood):
+        ...         super().__init__(KalmanVariationalStrategy(self, z, likelihood=likelihood))
+        ...         self.mean_module = gpytorch.means.ZeroMean()
+        ...         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        ...     def forward(self, x):
+        ...         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+        >>> likelihood = gpytorch.likelihoods.GaussianLikelihood()
+        >>> model = RecursiveGP(torch.linspace(-3, 3, 8).unsqueeze(-1), likelihood)
+        >>> x = torch.linspace(-3, 3, 200).unsqueeze(-1)
+        >>> y = torch.sin(2 * x.squeeze(-1))
+        >>> from gpytorch_decoupled.optim import RecursiveGradientPropagation
+        >>> adam = torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=0.05)
+        >>> srgp = RecursiveGradientPropagation(model, likelihood, adam)
+        >>> step = compile_training_step(srgp, backend="eager")  # "inductor" (the default) is faster
+        >>> srgp.start_epoch()
+        >>> psi = [step(x_batch, y_batch) for x_batch, y_batch in zip(x.split(50), y.split(50))]
+        >>> model.variational_strategy.num_observed, bool(torch.stack(psi).isfinite().all())
+        (200, True)
+
     .. _Schuerch et al. (2020):
         https://arxiv.org/abs/1910.08393
     """
