@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..variational import MeanBasis
+from ..variational import MeanBasis, joint_prior
 
 
 class MeanBasisAdam(torch.optim.Adam):
@@ -115,11 +115,12 @@ class MeanBasisAdam(torch.optim.Adam):
         order = torch.randperm(num_points, generator=self.generator, device=points.device)
         size = min(self.num_samples, num_points // 2)
         first = points.index_select(-2, order[:size])
-        variance = basis.cross_covariance(first, first).diagonal(dim1=-2, dim2=-1).mean()
         if size == 0:  # a basis of one point has no pairs: its degree is 1
-            return variance.sqrt()
-        second = points.index_select(-2, order[size : 2 * size])
-        covariance = basis.cross_covariance(first, second).to_dense().mean()
+            return basis.cross_covariance(first, first).diagonal(dim1=-2, dim2=-1).mean().sqrt()
+        # One evaluation of the prior for both blocks: each costs the model's whole forward pass.
+        prior = joint_prior(basis.model, first, points.index_select(-2, order[size : 2 * size]))
+        variance = prior.covariance(0, 0).diagonal(dim1=-2, dim2=-1).mean()
+        covariance = prior.covariance(0, 1).to_dense().mean()
         return variance.sqrt() * (1 + (num_points - 1) * covariance.clamp_min(0) / variance)
 
     @torch.no_grad()

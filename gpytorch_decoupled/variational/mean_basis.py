@@ -9,7 +9,7 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from ..gpytorch_compat import cache_safe
-from ..linalg import coefficient_proportional_rows, column_sampled_quadratic_form, kernel_matvec
+from ..linalg import coefficient_proportional_rows, column_sampled_quadratic_form, kernel_matvec, kernel_quadratic_form
 from ._replace_tensor import replace_tensor
 from .joint_prior import JointPrior, joint_prior
 
@@ -337,6 +337,11 @@ class MeanBasis(Module):
             return self.sampled_quadratic_form
         if indices is None and not self.exact_quadratic_form():
             indices = self._uniform_rows()
+        if indices is None:  # exact: the block itself (no probe for a fused path; a lazy block is swept in row blocks)
+            points = self.inducing_points
+            return kernel_quadratic_form(
+                self.cross_covariance(points, points), coefficients, block_size=self.kl_block_size
+            )
         return column_sampled_quadratic_form(
             self.cross_covariance,
             self.inducing_points,
