@@ -61,16 +61,7 @@ def convert_mean_basis(
             f"convert_mean_basis maps between {' and '.join(s.__name__ for s in strategies)}, got "
             f"{type(source).__name__} -> {type(target).__name__}."
         )
-    source_state = {
-        name: value
-        for name, value in source.model.state_dict().items()
-        if "._variational_distribution." not in f".{name}"
-    }
-    target_state = {
-        name: value
-        for name, value in target.model.state_dict().items()
-        if "._variational_distribution." not in f".{name}"
-    }
+    source_state, target_state = _process_state(source.model), _process_state(target.model)
     # Structure, shapes, dtypes and devices are checked before anything changes (load_state_dict would copy the
     # matching entries before it raised on the others).
     if set(target_state) != set(source_state):
@@ -112,3 +103,14 @@ def convert_mean_basis(
         target.variational_params_initialized.fill_(1)
     for strategy in (source, target):
         strategy._clear_cache()
+
+
+def _process_state(model: torch.nn.Module) -> dict:
+    """The entries of ``model``'s state that the conversion copies: all but the variational distribution (which it
+    maps) and modules' extra state (the random generator of a mean basis's sampled KL rows: not part of the process,
+    and present only once a training step has drawn rows)."""
+    return {
+        name: value
+        for name, value in model.state_dict().items()
+        if "._variational_distribution." not in f".{name}" and not name.endswith("_extra_state")
+    }

@@ -161,6 +161,28 @@ def test_convert_mean_basis_round_trip_is_exact(source_q, target_q) -> None:
     torch.testing.assert_close(elbos[2], elbos[0], rtol=1e-10, atol=1e-10)
 
 
+def test_convert_mean_basis_after_sampled_kl_steps() -> None:
+    # A trained model whose KL rows were sampled carries its generator's state (module extra state); a fresh target
+    # has none. The generator is not part of the process: the conversion maps the process and leaves it alone.
+    beta, gamma, X, y = _problem(6)
+    hybrid = MeanBasisGP(
+        HybridVariationalStrategy, gpytorch.variational.CholeskyVariationalDistribution, beta, gamma, 4
+    )
+    _random_state(hybrid, 7)
+    hybrid.variational_strategy.mean_basis.exact_kl_size = 0  # sample 4 of the 20 rows in training
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    hybrid.train()
+    gpytorch.mlls.VariationalELBO(likelihood, hybrid, num_data=X.size(0))(hybrid(X), y).backward()
+    assert hybrid.state_dict()["variational_strategy.mean_basis._extra_state"].numel() > 0  # the generator drew
+    expected = eval_process(hybrid, X)
+    orthogonal = MeanBasisGP(
+        OrthogonallyDecoupledVariationalStrategy, gpytorch.variational.CholeskyVariationalDistribution, beta, gamma, 4
+    )
+    convert_mean_basis(hybrid.variational_strategy, orthogonal.variational_strategy)
+    assert_same_process(eval_process(orthogonal, X), expected)
+    assert orthogonal.state_dict()["variational_strategy.mean_basis._extra_state"].numel() == 0
+
+
 def test_convert_mean_basis_initializes_a_fresh_source_as_gpytorch_would() -> None:
     beta, gamma, X, _ = _problem(5)
     torch.manual_seed(0)
