@@ -25,8 +25,8 @@ class PartsOutcome(NamedTuple):
     results: list[MethodResult]
     ratios: dict[str, float]
     seconds: dict[str, float]
-    row_parts: list[str] = []
-    ratio_parts: dict[str, str] = {}
+    row_parts: list[str]
+    ratio_parts: dict[str, str]
 
 
 def run_parts(
@@ -84,7 +84,6 @@ def publish_parts(
     A run of some of the parts keeps the other parts of an earlier file of the same benchmark (summaries, rows, ratios,
     seconds, machines), so that re-measuring one part does not erase the others; the goals are judged on the union.
     """
-    outcome = PartsOutcome(*outcome)
     path = output / f"{name}.json"
     kept = _kept_from_earlier_run(path, name, set(outcome.seconds))
     machine = machine_info(device)

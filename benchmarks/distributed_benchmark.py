@@ -50,7 +50,7 @@ from gpytorch_decoupled.variational import (
 )
 
 from .benchmark import Benchmark
-from .benchmark_parts import publish_parts
+from .benchmark_parts import PartsOutcome, publish_parts
 from .common_arguments import DEFAULT_RESULTS_DIR, add_run_arguments, run_config
 from .method_result import MethodResult
 from .report import format_table
@@ -335,7 +335,8 @@ def _run(args: argparse.Namespace) -> dict:
         "dims": args.dims,
         "collective_repeats": args.collective_repeats,
     }
-    outcome = ({"measurements": summary}, results, ratios, {})  # (every layout runs every part; see layout_seconds)
+    # Every layout runs every part (see layout_seconds), so rows and ratios are not attributed to parts.
+    outcome = PartsOutcome({"measurements": summary}, results, ratios, {}, [], {})
     return publish_parts(NAME, config_json, outcome, {}, notes, args.device, Path(args.output_dir))
 
 
