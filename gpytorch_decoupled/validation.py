@@ -34,6 +34,8 @@ import torch
 from gpytorch.likelihoods import BernoulliLikelihood, BetaLikelihood, Likelihood, SoftmaxLikelihood
 from torch import Tensor
 
+from .linalg import all_finite
+
 __all__ = [
     "check_device",
     "check_dtype",
@@ -95,7 +97,7 @@ def check_dtype(value: Tensor, name: str, like: Tensor, like_name: str = "the mo
 def check_finite(value: Tensor, name: str) -> None:
     """:raises ValueError: If ``value`` contains NaN or inf (checked after its device: never on a ``meta`` tensor)."""
     if value.is_floating_point() or value.is_complex():
-        if not torch.isfinite(value).all():
+        if not all_finite(value):
             raise ValueError(f"{name} contains NaN or inf.")
 
 

@@ -6,6 +6,7 @@ the KL divergence from a whitened prior."""
 from ._squared_distance_quadratic_form import squared_distance_quadratic_form
 from .cholesky import jittered_cholesky, reset_jitter_warnings
 from .congruence import congruence
+from .finite import all_finite
 from .kernel_matvec import kernel_matvec
 from .kernel_quadratic_form import kernel_quadratic_form
 from .landmark_quadratic_form import (
@@ -13,6 +14,7 @@ from .landmark_quadratic_form import (
     landmark_controlled_estimate,
     landmark_quadratic_form,
 )
+from .lean_kernel import LeanKernel
 from .quadratic_form import column_sampled_quadratic_form
 from .settings import kernel_keep_size, kernel_tile_size
 from .triangular import (
@@ -26,6 +28,8 @@ from .triangular import (
 from .whitened_kl import whitened_kl
 
 __all__ = [
+    "LeanKernel",
+    "all_finite",
     "cholesky_logdet",
     "cholesky_solve",
     "coefficient_proportional_rows",

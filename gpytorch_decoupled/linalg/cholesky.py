@@ -9,6 +9,10 @@ from gpytorch.utils.warnings import NumericalWarning
 from linear_operator.utils.errors import NotPSDError
 from torch import Tensor
 
+from ._unbound_function import UnboundFunction
+from .finite import all_finite
+from .triangular import solve_lower, solve_lower_transpose
+
 # Relative jitter (times the mean absolute diagonal) of the first escalation step. A float32 matrix that is PSD in
 # exact arithmetic can carry negative eigenvalues of about 1e-7 times its scale from rounding alone, so float32 (and
 # anything coarser) starts one decade above that; float64 inputs only need to absorb float64 rounding.
@@ -94,7 +98,7 @@ def jittered_cholesky(
     if not A.dtype.is_floating_point:
         raise ValueError(f"{name} must have a floating dtype, got {A.dtype}.")
     compiling = torch.compiler.is_compiling()
-    if not compiling and not torch.isfinite(A).all():
+    if not compiling and not all_finite(A):
         raise ValueError(f"{name} (shape {tuple(A.shape)}, dtype {A.dtype}) contains NaN or inf.")
 
     with torch.no_grad():
@@ -103,7 +107,7 @@ def jittered_cholesky(
     return (_CompiledCholeskyFactor if compiling else _CholeskyFactor).apply(A, L)
 
 
-class _CompiledCholeskyFactor(torch.autograd.Function):
+class _CompiledCholeskyFactor(UnboundFunction):
     r"""The factor ``L`` of ``A`` (computed by :func:`jittered_cholesky`) as a differentiable function of ``A``, with
     the derivatives of :func:`torch.linalg.cholesky` in ``L``'s dtype. Backward:
     :math:`\bar{\mathbf A} = \mathbf L^{-\top}\tfrac12(\boldsymbol\Phi + \boldsymbol\Phi^\top)\mathbf L^{-1}`
@@ -126,8 +130,8 @@ class _CompiledCholeskyFactor(torch.autograd.Function):
         (L,) = ctx.saved_tensors
         phi = (L.mT @ grad_L).tril()
         phi = 0.5 * (phi + phi.tril(-1).mT)
-        grad_A = torch.linalg.solve_triangular(L.mT, phi, upper=True)
-        return torch.linalg.solve_triangular(L, grad_A, upper=False, left=False), None
+        grad_A = solve_lower_transpose(L, phi)
+        return solve_lower_transpose(L, grad_A.mT).mT, None
 
 
 class _CholeskyFactor(_CompiledCholeskyFactor):
@@ -145,8 +149,7 @@ class _CholeskyFactor(_CompiledCholeskyFactor):
     @staticmethod
     def jvp(ctx, tangent_A: Tensor, tangent_L: Tensor | None) -> Tensor:
         L = ctx.factor
-        half = torch.linalg.solve_triangular(L, tangent_A, upper=False)
-        inner = torch.linalg.solve_triangular(L, half.mT, upper=False).mT  # L^-1 dA L^-T
+        inner = solve_lower(L, solve_lower(L, tangent_A).mT).mT  # L^-1 dA L^-T
         psi = inner.tril(-1) + 0.5 * torch.diag_embed(inner.diagonal(dim1=-2, dim2=-1))
         return L @ psi
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._unbound_function import UnboundFunction
+
 
 def congruence(
     L: Tensor,  # shape: (*batch, n, n)
@@ -56,7 +58,7 @@ def congruence(
     return _Congruence.apply(L, A)[0]
 
 
-class _Congruence(torch.autograd.Function):
+class _Congruence(UnboundFunction):
     generate_vmap_rule = True
 
     @staticmethod

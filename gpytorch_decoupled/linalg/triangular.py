@@ -30,6 +30,8 @@ def solve_lower(
         >>> torch.allclose(A, L.mT)
         True
     """
+    if _solve_from_the_right(B):
+        return torch.linalg.solve_triangular(L.mT, B.mT, upper=True, left=False).mT
     return torch.linalg.solve_triangular(L, B, upper=False)
 
 
@@ -57,7 +59,17 @@ def solve_lower_transpose(
         >>> torch.allclose(X, torch.eye(2), atol=1e-6)
         True
     """
+    if _solve_from_the_right(B):
+        return torch.linalg.solve_triangular(L, B.mT, upper=False, left=False).mT
     return torch.linalg.solve_triangular(L.mT, B, upper=True)
+
+
+def _solve_from_the_right(B: Tensor) -> bool:
+    r"""Whether to pose :math:`\mathbf L^{-1}\mathbf B` as the transposed system :math:`\mathbf X^\top\mathbf L^\top =
+    \mathbf B^\top`: the same solution, but MKL's CPU triangular solve with a row-major right-hand side of many columns
+    runs about twice as fast from the right in float32 (and no slower in float64), forward and backward; one column is
+    faster from the left."""
+    return B.device.type == "cpu" and B.size(-1) > 1
 
 
 def cholesky_solve(

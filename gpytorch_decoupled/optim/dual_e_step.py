@@ -135,11 +135,13 @@ class DualEStep(torch.optim.Optimizer):
         state, factors = self._last_factors
         return factors if self.strategy.matches_snapshot(state) else None
 
-    def _targets(
-        self, x: Tensor, y: Tensor, factors: DualPosteriorFactors | None
-    ) -> tuple[Tensor, Tensor, DualSiteStatistics]:
-        r"""The natural-gradient targets :math:`g_1, g_2` per latent, ``(..., B)``, and the batch's statistics."""
-        statistics = self.strategy.site_statistics(x, factors)
+    def _targets(self, x: Tensor, y: Tensor, per_datum: bool) -> tuple[Tensor, Tensor, DualSiteStatistics]:
+        r"""The natural-gradient targets :math:`g_1, g_2` per latent, ``(..., B)``, and the batch's statistics: those
+        of the training forward pass at this batch where it is still valid (the default schedule), else computed,
+        at the factors of the last step where nothing has changed since (consecutive E-steps)."""
+        statistics = self.strategy.forward_site_statistics(x)
+        if statistics is None:
+            statistics = self.strategy.site_statistics(x, None if per_datum else self._reusable_factors())
         first_target, curvature = self.strategy.site_targets(
             self.likelihood, y, statistics, self.min_curvature, self.task_dim, self.num_likelihood_samples
         )
@@ -161,14 +163,13 @@ class DualEStep(torch.optim.Optimizer):
             definite; the sites are then unchanged.
         """
         distribution = self.strategy._variational_distribution
-        self.strategy.checked_inputs(x, dim=2)
+        x = self.strategy.checked_inputs(x, dim=2)
         shape, batch_shape = self._target_shape(x.size(0))
         check_targets(y, "y", shape, self.strategy.inducing_points, self.likelihood, batch_shape)
         if distribution.per_datum:
             self._check_indices(indices, x)
-        reusable = None if distribution.per_datum else self._reusable_factors()
+        first_target, second_target, statistics = self._targets(x, y, distribution.per_datum)
         self._last_factors = None
-        first_target, second_target, statistics = self._targets(x, y, reusable)
         lr = self.param_groups[0]["lr"]
         site_mean, site_precision = distribution()
         if distribution.per_datum:

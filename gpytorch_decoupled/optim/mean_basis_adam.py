@@ -119,8 +119,8 @@ class MeanBasisAdam(torch.optim.Adam):
             return basis.cross_covariance(first, first).diagonal(dim1=-2, dim2=-1).mean().sqrt()
         # One evaluation of the prior for both blocks: each costs the model's whole forward pass.
         prior = joint_prior(basis.model, first, points.index_select(-2, order[size : 2 * size]))
-        variance = prior.covariance(0, 0).diagonal(dim1=-2, dim2=-1).mean()
-        covariance = prior.covariance(0, 1).to_dense().mean()
+        variance = prior.diagonal(0).mean()
+        covariance = prior.dense(0, 1).mean()
         return variance.sqrt() * (1 + (num_points - 1) * covariance.clamp_min(0) / variance)
 
     @torch.no_grad()

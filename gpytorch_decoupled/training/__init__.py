@@ -8,6 +8,7 @@ helper, from the lean prior blocks :class:`LeanKalmanBlocks`. The documentation'
 says what is supported and what falls back to eager.
 """
 
+from ..linalg import LeanKernel
 from . import lean_strategies, optimizer_updates
 from .compile_training_step import compile_training_step
 from .eager_training_step import eager_training_step
@@ -15,7 +16,6 @@ from .kalman_update_step import KalmanUpdateStep
 from .lean_e_step import LeanEStep
 from .lean_elbo import LeanELBO
 from .lean_kalman_blocks import LeanKalmanBlocks
-from .lean_kernel import LeanKernel
 from .lean_likelihood import LeanLikelihood
 from .recursive_training_step import RecursiveTrainingStep
 from .training_step import TrainingStep

@@ -5,9 +5,9 @@ from gpytorch.means import ConstantMean, ZeroMean
 from gpytorch.mlls import VariationalELBO
 from torch import Tensor
 
+from ..linalg import LeanKernel
 from ..mlls import DualVariationalELBO
 from ..mlls import VariationalELBO as CheckedVariationalELBO
-from .lean_kernel import LeanKernel
 from .lean_likelihood import LeanLikelihood
 from .lean_strategies import STRATEGY_TERMS
 

@@ -4,10 +4,9 @@ import torch
 from gpytorch.likelihoods import GaussianLikelihood
 from torch import Tensor
 
-from ..linalg import symmetrized
+from ..linalg import LeanKernel, symmetrized
 from ..variational import KalmanIncrements, KalmanVariationalStrategy, ObservationTerms
 from .lean_elbo import prior_mean, unsupported_prior
-from .lean_kernel import LeanKernel
 from .lean_likelihood import LeanLikelihood
 
 

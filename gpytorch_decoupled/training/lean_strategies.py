@@ -21,7 +21,7 @@ import torch
 from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
 from torch import Tensor
 
-from ..linalg import jittered_cholesky, kernel_keep_size, solve_lower, whitened_kl
+from ..linalg import LeanKernel, jittered_cholesky, kernel_keep_size, solve_lower, whitened_kl
 from ..variational import (
     DualSiteStatistics,
     DualVariationalStrategy,
@@ -30,7 +30,6 @@ from ..variational import (
     OrthogonallyDecoupledVariationalStrategy,
 )
 from ..variational.dual_variational_strategy import whitened_posterior_factors, whitened_u_space_sites
-from .lean_kernel import LeanKernel
 
 MeanFunction = Callable[[Tensor], Tensor]
 

@@ -9,6 +9,7 @@ from gpytorch.models import ApproximateGP
 from gpytorch.settings import trace_mode
 from gpytorch.utils.errors import CachingError
 from gpytorch.utils.memoize import cached, pop_from_cache_ignore_args
+from linear_operator import to_linear_operator
 from linear_operator.operators import (
     CholLinearOperator,
     DiagLinearOperator,
@@ -315,13 +316,19 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
         mean_update, covariance_update = compute_predictive_updates(
             self,
             chol=chol,
-            induc_data_covar=prior.covariance(0, data).to_dense(),
+            induc_data_covar=prior.dense(0, data),
             inducing_values=block_mean,
             variational_inducing_covar=variational_inducing_covar,
             prior_covar=self.prior_distribution.lazy_covariance_matrix,
             diag=diag,
         )
-        covariance = SumLinearOperator(prior.covariance(data, data).add_jitter(self.jitter_val), covariance_update)
+        if isinstance(covariance_update, DiagLinearOperator):
+            # GPyTorch's training pass with diag=True: only the predictive variances are computed (the off-diagonal
+            # entries would be the prior's), so only the prior's are needed.
+            data_covariance = DiagLinearOperator(prior.diagonal(data) + self.jitter_val)
+        else:
+            data_covariance = prior.covariance(data, data).add_jitter(self.jitter_val)
+        covariance = SumLinearOperator(data_covariance, covariance_update)
         if trace_mode.on():
             covariance = covariance.to_dense()
         return prior.mean(data) + mean_update, covariance
@@ -344,15 +351,15 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
                 # One model.forward per step: the mean basis's joint prior at [beta; C; x; gamma] holds K_beta,
                 # K_beta,x and K_xx too.
                 prior = values.prior
-                chol = self._beta_cholesky(prior.covariance(0, 0))
+                chol = self._beta_cholesky(to_linear_operator(prior.dense(0, 0)))
                 coordinates = self._set_residual_coordinates(beta_values, chol)
                 sampled = self.mean_basis.sampled_rows
                 if sampled is not None and not self.kl_data_landmarks:  # input set 1 holds the drawn rows
-                    self._sampled_residual(sampled, chol, prior.covariance(1, 0).to_dense())
+                    self._sampled_residual(sampled, chol, prior.dense(1, 0))
                 elif sampled is not None:  # and set 2 the data: with beta, the landmarks
                     # One block of [beta; C; x] with itself, sliced here: every block of the joint prior sliced
                     # separately would cost a gradient as large as all its inputs, gamma included, in the backward pass.
-                    small = prior.covariance(slice(0, 3), slice(0, 3)).to_dense()
+                    small = prior.dense(slice(0, 3), slice(0, 3))
                     m_beta, num_drawn = prior.sizes[0], prior.sizes[1]
                     landmarks = torch.cat(
                         [
@@ -367,7 +374,7 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
                         landmark_rows.index_select(-1, landmarks),
                         small[..., m_beta : m_beta + num_drawn, :].index_select(-1, landmarks),
                     )
-                blocks = JointPrior(prior.distribution, prior.sizes[:-1])  # without gamma: the data are the last set
+                blocks = JointPrior(prior.distribution, prior.sizes[:-1], prior.lean)  # without gamma: data last
                 mean, covariance = self._predictive(
                     blocks,
                     chol,
@@ -384,7 +391,7 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
                 self._sampled_residual(sampled, self._beta_cholesky(), block)
         block_mean = self._covariance_block_mean(inducing_values, self.residual_coordinates())
         prior = joint_prior(self.model, inducing_points, x, **kwargs)
-        chol = self._cholesky_factor(prior.covariance(0, 0).add_jitter(self.jitter_val))
+        chol = self._cholesky_factor(to_linear_operator(prior.dense(0, 0)).add_jitter(self.jitter_val))
         mean, covariance = self._predictive(prior, chol, block_mean, variational_inducing_covar, diag)
         return MultivariateNormal(mean + data_values, covariance)
 

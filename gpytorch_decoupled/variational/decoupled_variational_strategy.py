@@ -6,6 +6,7 @@ import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.models import ApproximateGP
 from gpytorch.utils.memoize import cached
+from linear_operator import to_linear_operator
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator
 from torch import Tensor
 
@@ -164,7 +165,7 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
 
     # ------------------------------------------------------------------ parameters
     def _prior_variances(self, points: Tensor) -> Tensor:
-        return self.model.forward(points).lazy_covariance_matrix.diagonal(dim1=-2, dim2=-1)
+        return joint_prior(self.model, points).diagonal(0)
 
     @property
     @cached(name="mean_coefficients_memo")
@@ -188,7 +189,8 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
     @cached(name="prior_distribution_memo")
     def prior_distribution(self) -> MultivariateNormal:
         r"""The prior :math:`p(f(\beta)) = \mathcal N(\mu_0(\beta), \mathbf K_\beta)` at the covariance basis."""
-        return self.model.forward(self.inducing_points)
+        prior = joint_prior(self.model, self.inducing_points)
+        return MultivariateNormal(prior.mean(0), to_linear_operator(prior.dense(0, 0)))
 
     @property
     @cached(name="variational_distribution_memo")
@@ -270,9 +272,8 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
         r""":math:`q(f(\mathbf x))` of the S-form above, from one evaluation of the prior at :math:`[\beta; \mathbf x]`
         and the mean basis at :math:`\mathbf x` (fused with this step's sampled KL rows in training)."""
         prior = joint_prior(self.model, inducing_points, x, **kwargs)
-        beta_covariance = prior.covariance(0, 0).to_dense()
-        beta_data = prior.covariance(0, 1).to_dense()
-        data_covariance = prior.covariance(1, 1)
+        beta_covariance = prior.dense(0, 0)
+        beta_data = prior.dense(0, 1)
 
         chol = self._inner_cholesky(beta_covariance)
         factor = self.precision_factor
@@ -280,9 +281,9 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
         reduction = solve_lower(chol.to(beta_data.dtype), factor.mT @ beta_data)
         mean = prior.mean(1) + self.mean_basis.fused_values(x, [], self.mean_coefficients, **kwargs).data_values
         if diag and self.training:
-            variance = data_covariance.diagonal(dim1=-2, dim2=-1) - reduction.pow(2).sum(-2)
+            variance = prior.diagonal(1) - reduction.pow(2).sum(-2)
             return MultivariateNormal(mean, DiagLinearOperator(variance))
-        return MultivariateNormal(mean, data_covariance + MatmulLinearOperator(reduction.mT.neg(), reduction))
+        return MultivariateNormal(mean, prior.covariance(1, 1) + MatmulLinearOperator(reduction.mT.neg(), reduction))
 
     def kl_divergence(self) -> Tensor:
         chol = self._inner_cholesky(self.prior_distribution.lazy_covariance_matrix.to_dense())

@@ -13,6 +13,7 @@ from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator, 
 from torch import Tensor
 
 from ..linalg import (
+    all_finite,
     cholesky_logdet,
     cholesky_solve,
     congruence,
@@ -26,7 +27,7 @@ from ._direct_variational_strategy import _DirectVariationalStrategy
 from ._fantasies import checked_fantasy_data, fantasy_copy, latent_fantasy_data, task_noise_variances
 from ._strategy_multivariate_normal import _StrategyMultivariateNormal
 from .dual_variational_distribution import DualVariationalDistribution
-from .joint_prior import joint_prior
+from .joint_prior import JointPrior, joint_prior
 
 
 class DualPosteriorFactors(NamedTuple):
@@ -290,39 +291,39 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
         return whitened_kl(inner_chol, whitened_mean)
 
     # ------------------------------------------------------------------ q(f)
-    def _joint_prior(self, x: Tensor, **kwargs) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    def _joint_prior(self, x: Tensor, **kwargs) -> tuple[Tensor, Tensor | None, Tensor, JointPrior]:
         r"""
         The prior mean at :math:`\mathbf x`, :math:`\mathbf K_{\mathbf{uu}}` with jitter (``None`` when
         :math:`\mathbf x` has a larger batch shape than :math:`\mathbf Z`, so that its block would be expanded),
-        :math:`\mathbf K_{\mathbf u\mathbf x}`, and the lazy prior covariance at :math:`\mathbf x`, from one
+        :math:`\mathbf K_{\mathbf u\mathbf x}`, and the joint prior (whose input set 1 is :math:`\mathbf x`), from one
         evaluation of the prior at :math:`[\mathbf Z; \mathbf x]` (``kwargs`` go to ``model.forward``).
         """
         inducing_points = self.inducing_points
         prior = joint_prior(self.model, inducing_points, x, **kwargs)
         # One kernel evaluation k(Z, [Z; x]) gives both K_uu and K_ux.
-        inducing_rows = prior.covariance(0, slice(0, 2)).to_dense()
+        inducing_rows = prior.dense(0, slice(0, 2))
         num_inducing = inducing_points.size(-2)
         prior_covariance = None
         if inducing_points.shape[:-2] == x.shape[:-2]:
             eye = torch.eye(num_inducing, dtype=inducing_rows.dtype, device=inducing_rows.device)
             prior_covariance = inducing_rows[..., :num_inducing] + self.jitter_val * eye
-        return prior.mean(1), prior_covariance, inducing_rows[..., num_inducing:], prior.covariance(1, 1)
+        return prior.mean(1), prior_covariance, inducing_rows[..., num_inducing:], prior
 
     def _marginals(
         self, x: Tensor, factors: DualPosteriorFactors | None = None, **kwargs
-    ) -> tuple[DualPosteriorFactors, Tensor, Tensor, Tensor, Tensor]:
+    ) -> tuple[DualPosteriorFactors, Tensor, JointPrior, Tensor, Tensor]:
         r"""
-        The factors of :math:`q`, the prior mean and lazy covariance at :math:`\mathbf x`,
+        The factors of :math:`q`, the prior mean at :math:`\mathbf x` and the joint prior (input set 1),
         :math:`\mathbf W = \mathbf L_K^{-1}\mathbf K_{\mathbf u\mathbf x}` and :math:`\mathbf L_H^{-1}\mathbf W`,
         from which :math:`q(f(\mathbf x))` has mean :math:`\mu_0 + \mathbf W^\top\mathbf H^{-1}\mathbf h` and
         covariance :math:`\mathbf K_{\mathbf{xx}} - \mathbf W^\top\mathbf W
         + (\mathbf L_H^{-1}\mathbf W)^\top\mathbf L_H^{-1}\mathbf W`.
         """
-        prior_mean, prior_covariance, cross, data_covariance = self._joint_prior(x, **kwargs)
+        prior_mean, prior_covariance, cross, prior = self._joint_prior(x, **kwargs)
         if factors is None:
             factors = self.posterior_factors(prior_covariance)
         whitened_cross = solve_lower(factors.prior_cholesky, cross)
-        return factors, prior_mean, data_covariance, whitened_cross, solve_lower(factors.inner_cholesky, whitened_cross)
+        return factors, prior_mean, prior, whitened_cross, solve_lower(factors.inner_cholesky, whitened_cross)
 
     def _predictive_distribution(self, x: Tensor, inducing_points: Tensor, diag: bool, **kwargs) -> MultivariateNormal:
         r""":math:`q(f(\mathbf x))` of eq. 49, from the whitened factors of :math:`q` (:meth:`_marginals`)."""
@@ -333,11 +334,11 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
             if at_prior and self._trained_at_prior:
                 raise RuntimeError(_PRIOR_IN_TRAINING)
             self._trained_at_prior = at_prior
-        factors, prior_mean, data_covariance, whitened_cross, reduced_cross = self._marginals(x, **kwargs)
+        factors, prior_mean, prior, whitened_cross, reduced_cross = self._marginals(x, **kwargs)
         centred_mean = (whitened_cross * factors.whitened_mean.unsqueeze(-1)).sum(-2)
         mean = prior_mean + centred_mean
         if diag and self.training:
-            variance = _marginal_variances(data_covariance, whitened_cross, reduced_cross)
+            variance = _marginal_variances(prior.diagonal(1), whitened_cross, reduced_cross)
             if not kwargs:  # what an E-step at this mini-batch needs (see site_statistics)
                 detached = (t.detach() for t in (prior_mean, centred_mean, variance, whitened_cross))
                 factors = DualPosteriorFactors(*(t.detach() for t in factors))
@@ -345,7 +346,7 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
                 self._batch_statistics = (x.detach(), self.state_snapshot(), statistics)
             return MultivariateNormal(mean, DiagLinearOperator(variance.expand(mean.shape)))
         covariance = (
-            data_covariance
+            prior.covariance(1, 1)
             + MatmulLinearOperator(whitened_cross.mT.neg(), whitened_cross)
             + MatmulLinearOperator(reduced_cross.mT, reduced_cross)
         )
@@ -394,17 +395,28 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
             (consecutive E-steps at fixed hyperparameters); recomputed otherwise.
         """
         x = self.checked_inputs(x)
-        stored = self._batch_statistics
-        if factors is None and stored is not None:
-            inputs, snapshot, statistics = stored
-            if inputs.shape == x.shape and torch.equal(inputs, x) and self.matches_snapshot(snapshot):
-                return statistics
+        if factors is None and (statistics := self.forward_site_statistics(x)) is not None:
+            return statistics
         # Hyperparameters may have moved since the cached factors were computed (an M-step in between).
         self._clear_cache()
-        factors, prior_mean, data_covariance, whitened_cross, reduced_cross = self._marginals(x, factors)
+        factors, prior_mean, prior, whitened_cross, reduced_cross = self._marginals(x, factors)
         centred_mean = (whitened_cross * factors.whitened_mean.unsqueeze(-1)).sum(-2)
-        variance = _marginal_variances(data_covariance, whitened_cross, reduced_cross)
+        variance = _marginal_variances(prior.diagonal(1), whitened_cross, reduced_cross)
         return self._site_statistics(prior_mean, centred_mean, variance, whitened_cross, factors)
+
+    def forward_site_statistics(self, x: Tensor) -> DualSiteStatistics | None:
+        r"""
+        The :meth:`site_statistics` that the last training forward pass kept, if it was at the inputs :attr:`x` (as
+        :meth:`checked_inputs` returns them) and nothing in the model has changed since (:meth:`state_snapshot`);
+        None otherwise.
+        """
+        stored = self._batch_statistics
+        if stored is None:
+            return None
+        inputs, snapshot, statistics = stored
+        if inputs.shape == x.shape and torch.equal(inputs, x) and self.matches_snapshot(snapshot):
+            return statistics
+        return None
 
     @staticmethod
     def site_targets(
@@ -451,7 +463,7 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
             )
         curvature = (-2.0 * variance_gradient).clamp_min(min_curvature)
         first_target = curvature * statistics.centred_mean + mean_gradient
-        if not (torch.isfinite(first_target).all() and torch.isfinite(curvature).all()):
+        if not all_finite(first_target, curvature):
             raise RuntimeError(
                 "the likelihood's expected_log_prob has non-finite derivatives at these targets; the sites were not "
                 "changed."
@@ -611,8 +623,8 @@ def whitened_posterior_factors(
     return DualPosteriorFactors(prior_chol, whitened_precision, inner_chol, whitened_site_mean, whitened_mean)
 
 
-def _marginal_variances(data_covariance, whitened_cross: Tensor, reduced_cross: Tensor) -> Tensor:
-    return data_covariance.diagonal(dim1=-2, dim2=-1) - whitened_cross.pow(2).sum(-2) + reduced_cross.pow(2).sum(-2)
+def _marginal_variances(prior_variance: Tensor, whitened_cross: Tensor, reduced_cross: Tensor) -> Tensor:
+    return prior_variance - whitened_cross.pow(2).sum(-2) + reduced_cross.pow(2).sum(-2)
 
 
 _PRIOR_IN_TRAINING = (

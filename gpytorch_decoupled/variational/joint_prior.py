@@ -7,16 +7,25 @@ from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
+from ..linalg import LeanKernel
+
 
 class JointPrior(NamedTuple):
     r"""
     The prior at stacked input sets :math:`[\mathbf X_0; \mathbf X_1; \ldots]`, as :func:`joint_prior` returns it,
     with its blocks addressed by the index of the input set: ``covariance(0, 1)`` is :math:`\mathbf K_{01}`, lazy (for
-    a GPyTorch kernel, evaluating only that block), and ``mean(1)`` the prior mean at :math:`\mathbf X_1`.
+    a GPyTorch kernel, evaluating only that block), ``dense(0, 1)`` the same block evaluated, ``diagonal(1)`` the
+    prior variances at :math:`\mathbf X_1`, and ``mean(1)`` the prior mean at :math:`\mathbf X_1`.
+
+    Where the model's covariance is the lazy block of a kernel that :class:`~gpytorch_decoupled.linalg.LeanKernel`
+    supports (``covar_module(x)`` of a [scaled] RBF or Matérn kernel), :meth:`dense` and :meth:`diagonal` evaluate it
+    in plain tensor operations, with GPyTorch's values and gradients and without its lazy-tensor and kernel-call
+    layers; otherwise through the lazy covariance.
     """
 
     distribution: MultivariateNormal  # the model's prior at the stacked inputs
     sizes: tuple[int, ...]  # the number of rows of each input set
+    lean: tuple[LeanKernel, Tensor, Tensor] | None = None  # LeanKernel.of_block of the covariance
 
     def _rows(self, index: int | slice) -> slice:
         """The rows of the stacked inputs of one input set or of a range of consecutive ones."""
@@ -28,6 +37,25 @@ class JointPrior(NamedTuple):
         """The (lazy) prior covariance between input sets ``rows`` and ``columns`` (an index, or a slice of consecutive
         input sets, e.g. ``slice(0, 2)`` for :math:`[\\mathbf X_0; \\mathbf X_1]`)."""
         return self.distribution.lazy_covariance_matrix[..., self._rows(rows), self._rows(columns)]
+
+    def dense(self, rows: int | slice, columns: int | slice) -> Tensor:
+        """:meth:`covariance` evaluated, ``(..., n_rows, n_columns)``."""
+        if self.lean is None:
+            return self.covariance(rows, columns).to_dense()
+        kernel, x1, x2 = self.lean
+        row_slice, column_slice = self._rows(rows), self._rows(columns)
+        left = x1[..., row_slice, :]
+        # A diagonal block of a symmetric covariance is symmetric (GPyTorch zeroes the rounding residual of its
+        # diagonal distances where no gradient is taken, as the lean kernel does for identical arguments).
+        right = left if x1 is x2 and row_slice == column_slice else x2[..., column_slice, :]
+        return kernel(left, right)
+
+    def diagonal(self, rows: int | slice) -> Tensor:
+        """The prior variances at input set ``rows``, the diagonal of ``covariance(rows, rows)``, ``(..., n_rows)``."""
+        if self.lean is not None and self.lean[1] is self.lean[2]:
+            kernel, x1, _ = self.lean
+            return kernel.diagonal(x1[..., self._rows(rows), :])
+        return self.covariance(rows, rows).diagonal(dim1=-2, dim2=-1)
 
     def mean(self, rows: int | slice) -> Tensor:
         """The prior mean at input set ``rows`` (an index, or a slice of consecutive input sets)."""
@@ -64,4 +92,6 @@ def joint_prior(model: torch.nn.Module, *inputs: Tensor, **kwargs) -> JointPrior
     """
     batch_shape = torch.broadcast_shapes(*(x.shape[:-2] for x in inputs))
     stacked = torch.cat([x.expand(*batch_shape, *x.shape[-2:]) for x in inputs], dim=-2)
-    return JointPrior(model.forward(stacked, **kwargs), tuple(x.size(-2) for x in inputs))
+    distribution = model.forward(stacked, **kwargs)
+    lean = LeanKernel.of_block(distribution.lazy_covariance_matrix)
+    return JointPrior(distribution, tuple(x.size(-2) for x in inputs), lean)

@@ -448,13 +448,12 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         :param fantasy: Whether ``x`` and ``y`` may have batch dimensions beyond the latents' (fantasies).
         """
         prior = self._joint_prior(x, predictive=fantasy)
-        inducing_covariance = self._jittered(prior.covariance(0, 0).to_dense().double())
-        cross_covariance = prior.covariance(0, 1).to_dense().double()
-        data_block = prior.covariance(1, 1)
+        inducing_covariance = self._jittered(prior.dense(0, 0).double())
+        cross_covariance = prior.dense(0, 1).double()
         if self.approximation == "pitc":
-            data_covariance = data_block.to_dense().double()
+            data_covariance = prior.dense(1, 1).double()
         else:
-            data_covariance = data_block.diagonal(dim1=-2, dim2=-1).double()
+            data_covariance = prior.diagonal(1).double()
         residual = y.double() - prior.mean(1).double()
         noise = self.noise_variance(likelihood).unsqueeze(-1) if noise is None else noise.double()
         return self.terms_of_blocks(inducing_covariance, cross_covariance, data_covariance, residual, noise)
@@ -544,7 +543,7 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         ``torch.no_grad``): what the increments of the models with :math:`\mathbf V_k = \sigma^2\mathbf I` (VFE, DTC)
         are made of."""
         prior = self._joint_prior(x)
-        return prior.covariance(0, 1).to_dense(), prior.mean(1)
+        return prior.dense(0, 1), prior.mean(1)
 
     @staticmethod
     def of_model(model: ApproximateGP, likelihood: Likelihood, user: str) -> KalmanVariationalStrategy:
@@ -599,9 +598,9 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
 
     def _inducing_prior(self) -> tuple[Tensor, Tensor]:
         """Float64 jittered :math:`\\mathbf K_{\\mathbf{uu}}` and prior mean :math:`\\mu_0(\\mathbf Z)`."""
-        prior = self.model.forward(self.inducing_points)
-        self._checked_batch(prior)
-        return self._jittered(prior.lazy_covariance_matrix.to_dense().double()), prior.mean.double()
+        prior = joint_prior(self.model, self.inducing_points)
+        self._checked_batch(prior.distribution)
+        return self._jittered(prior.dense(0, 0).double()), prior.mean(0).double()
 
     def _posterior_factors(self, inducing_covariance: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         r"""Float64 :math:`\mathbf L_{\mathbf{uu}}`, :math:`\mathbf L_A` (:math:`\mathbf A = \mathbf K_{\mathbf{uu}} +
@@ -662,13 +661,12 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
             raise RuntimeError(_PRIOR_IN_TRAINING)
         prior = self._joint_prior(x, predictive=True, **kwargs)
         if x.shape[:-2] == self.inducing_points.shape[:-2]:
-            inducing_covariance = self._jittered(prior.covariance(0, 0).to_dense().double())
+            inducing_covariance = self._jittered(prior.dense(0, 0).double())
         else:
             # Inputs with batch dimensions of their own: K_uu (and the factors) keep the state's batch shape rather
             # than being expanded to the inputs' and factorized once per batch member.
             inducing_covariance = self._inducing_prior()[0]
-        cross_covariance = prior.covariance(0, 1).to_dense().double()
-        data_covariance = prior.covariance(1, 1)
+        cross_covariance = prior.dense(0, 1).double()
 
         prior_cholesky, cholesky, coefficients = self._posterior_factors(inducing_covariance)
         dtype = x.dtype
@@ -678,14 +676,14 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         posterior_root = solve_lower(cholesky, cross_covariance)
         if diag and self.training:
             correction = posterior_root.square().sum(-2) - prior_root.square().sum(-2)
-            variance = data_covariance.diagonal(dim1=-2, dim2=-1) + correction.to(dtype)
+            variance = prior.diagonal(1) + correction.to(dtype)
             return MultivariateNormal(mean, DiagLinearOperator(variance.expand(mean.shape)))
         # A fantasy state's factor may have a batch shape (of its inputs) that the prior's does not.
         shape = torch.broadcast_shapes(prior_root.shape, posterior_root.shape)
         prior_root, posterior_root = prior_root.expand(shape), posterior_root.expand(shape)
         left = torch.cat([posterior_root, prior_root.neg()], dim=-2).mT.to(dtype)
         right = torch.cat([posterior_root, prior_root], dim=-2).to(dtype)
-        covariance = data_covariance + MatmulLinearOperator(left, right)
+        covariance = prior.covariance(1, 1) + MatmulLinearOperator(left, right)
         return MultivariateNormal(mean, covariance.expand(*mean.shape[:-1], *covariance.shape[-2:]))
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ._residual_mean_variational_strategy import _ResidualMeanVariationalStrategy
+from .joint_prior import joint_prior
 
 
 class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy):
@@ -132,7 +133,7 @@ class OrthogonallyDecoupledVariationalStrategy(_ResidualMeanVariationalStrategy)
         chol = self._beta_cholesky()
         beta_gamma = self.mean_basis.cross_covariance(self.inducing_points, gamma).to_dense()
         projected = chol.solve(beta_gamma.type(chol.dtype)).type(beta_gamma.dtype)
-        prior_variances = self.model.forward(gamma).lazy_covariance_matrix.diagonal(dim1=-2, dim2=-1)
+        prior_variances = joint_prior(self.model, gamma).diagonal(0)
         return prior_variances - projected.pow(2).sum(-2)
 
     def mean_quadratic_form(self, indices: Tensor | None = None) -> Tensor:

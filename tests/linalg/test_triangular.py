@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import unittest
 
 import torch
@@ -50,6 +51,25 @@ class TestTriangularSolves(unittest.TestCase):
         # Only the lower triangle of L is read, so its upper triangle gets no gradient.
         torch.testing.assert_close(ours[0], dense[0].tril(), rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(ours[1], dense[1], rtol=1e-10, atol=1e-12)
+
+    def test_one_and_many_columns_agree(self):
+        # One right-hand side is solved from the left, several from the right (the faster form on the CPU): the same
+        # solution, gradient and forward-mode derivative either way.
+        for solve, dense in ((solve_lower, self.L[0, 0]), (solve_lower_transpose, self.L[0, 0].mT)):
+            L = self.L[0, 0].clone().requires_grad_(True)
+            B = self.B[0].clone().requires_grad_(True)
+            many = solve(L, B)
+            columns = torch.cat([solve(L, B[:, j : j + 1]) for j in range(B.size(-1))], dim=-1)
+            torch.testing.assert_close(many, columns, rtol=1e-12, atol=1e-13)
+            torch.testing.assert_close(many, torch.linalg.solve(dense, B), rtol=1e-10, atol=1e-12)
+            weights = torch.randn_like(B)
+            gradients = torch.autograd.grad((many * weights).sum(), (L, B))
+            by_column = torch.autograd.grad((columns * weights).sum(), (L, B))
+            for ours, reference in zip(gradients, by_column):
+                torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-12)
+            tangent = torch.randn_like(B)
+            _, derivative = torch.func.jvp(functools.partial(solve, self.L[0, 0]), (B.detach(),), (tangent,))
+            torch.testing.assert_close(derivative, solve(self.L[0, 0], tangent), rtol=1e-12, atol=1e-13)
 
 
 if __name__ == "__main__":

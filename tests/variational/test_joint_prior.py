@@ -64,3 +64,100 @@ def test_the_dual_strategy_passes_keyword_arguments_to_the_prior() -> None:
         with torch.no_grad():
             shifted, plain = model(x, shift=2.0), model(x)
         torch.testing.assert_close(shifted.mean - plain.mean, torch.full((6,), 2.0, dtype=F64), rtol=0, atol=1e-12)
+
+
+def _kernels() -> dict[str, gpytorch.kernels.Kernel]:
+    rbf, matern = gpytorch.kernels.RBFKernel, gpytorch.kernels.MaternKernel
+    return {
+        "scaled RBF ARD": gpytorch.kernels.ScaleKernel(rbf(ard_num_dims=3)),
+        "RBF": rbf(),
+        "scaled Matern 5/2": gpytorch.kernels.ScaleKernel(matern(nu=2.5, ard_num_dims=3)),
+        "Matern 3/2": matern(nu=1.5),
+        "Matern 1/2": matern(nu=0.5, ard_num_dims=3),
+    }
+
+
+class KernelPrior(gpytorch.models.ApproximateGP):
+    def __init__(self, kernel, extra=None):
+        super().__init__(None)
+        self.covar_module = kernel
+        self.extra = extra
+
+    def forward(self, x):
+        covariance = self.covar_module(x)
+        if self.extra is not None:
+            covariance = covariance + self.extra(x)
+        return gpytorch.distributions.MultivariateNormal(torch.zeros_like(x[..., 0]), covariance)
+
+
+def test_dense_blocks_and_diagonals_equal_gpytorch_in_values_and_gradients() -> None:
+    # The lean evaluation (plain tensor operations) against the lazy kernel block GPyTorch evaluates, for every
+    # supported kernel, with and without gradients of the inputs (GPyTorch zeroes the diagonal's rounding residual only
+    # without), float32 and float64.
+    for name, kernel in _kernels().items():
+        for dtype in (torch.float32, F64):
+            gen = torch.Generator().manual_seed(3)
+            model = KernelPrior(kernel).to(dtype)
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.copy_(torch.randn(parameter.shape, generator=gen, dtype=dtype))
+            for inputs_grad in (False, True):
+                z, x = (torch.randn(n, 3, generator=gen, dtype=dtype).requires_grad_(inputs_grad) for n in (5, 7))
+                prior = joint_prior(model, z, x)
+                assert prior.lean is not None, name
+                blocks = {
+                    "zz": (prior.dense(0, 0), prior.covariance(0, 0).to_dense()),
+                    "z[zx]": (prior.dense(0, slice(0, 2)), prior.covariance(0, slice(0, 2)).to_dense()),
+                    "xz": (prior.dense(1, 0), prior.covariance(1, 0).to_dense()),
+                    "diag x": (prior.diagonal(1), prior.covariance(1, 1).diagonal(dim1=-2, dim2=-1)),
+                }
+                tolerance = {"rtol": 1e-12, "atol": 1e-12} if dtype == F64 else {"rtol": 1e-6, "atol": 1e-6}
+                for block, (lean, general) in blocks.items():
+                    torch.testing.assert_close(lean, general, **tolerance, msg=f"{name} {dtype} {block}")
+                    assert lean.requires_grad == general.requires_grad, (name, block)
+                    if not lean.requires_grad:  # an unscaled kernel's diagonal is constant
+                        continue
+                    weights = torch.randn(lean.shape, generator=gen, dtype=dtype)
+                    wrt = [p for p in (*model.parameters(), z, x) if p.requires_grad]
+                    ours = torch.autograd.grad((lean * weights).sum(), wrt, allow_unused=True, retain_graph=True)
+                    theirs = torch.autograd.grad((general * weights).sum(), wrt, allow_unused=True, retain_graph=True)
+                    for a, b in zip(ours, theirs):
+                        a = torch.zeros_like(b) if a is None and b is not None else a
+                        b = torch.zeros_like(a) if b is None and a is not None else b
+                        if a is not None:
+                            torch.testing.assert_close(a, b, **tolerance, msg=f"{name} {dtype} {block} gradient")
+
+
+def test_batched_inputs_take_the_lean_path() -> None:
+    gen = torch.Generator().manual_seed(4)
+    model = KernelPrior(gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=2))).double()
+    z, x = torch.randn(4, 2, generator=gen, dtype=F64), torch.randn(3, 6, 2, generator=gen, dtype=F64)
+    prior = joint_prior(model, z, x)
+    assert prior.lean is not None
+    torch.testing.assert_close(prior.dense(0, 1), prior.covariance(0, 1).to_dense(), rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(
+        prior.diagonal(1), prior.covariance(1, 1).diagonal(dim1=-2, dim2=-1), rtol=1e-13, atol=1e-13
+    )
+    assert prior.diagonal(1).shape == (3, 6)
+
+
+def test_other_covariances_keep_the_general_path() -> None:
+    # Kernels the lean form does not cover, kernels restricted to some input dimensions, batched kernels and a forward
+    # that adds a term to the kernel block are all evaluated by GPyTorch, with the same blocks.
+    gen = torch.Generator().manual_seed(5)
+    z, x = torch.randn(4, 2, generator=gen, dtype=F64), torch.randn(6, 2, generator=gen, dtype=F64)
+    rbf = gpytorch.kernels.RBFKernel
+    models = {
+        "linear": KernelPrior(gpytorch.kernels.LinearKernel()),
+        "active dims": KernelPrior(gpytorch.kernels.ScaleKernel(rbf(active_dims=[0]))),
+        "batched": KernelPrior(rbf(batch_shape=torch.Size([3]))),
+        "sum": KernelPrior(rbf() + gpytorch.kernels.LinearKernel()),
+        "forward adds a term": KernelPrior(rbf(), extra=gpytorch.kernels.LinearKernel()),
+    }
+    for name, model in models.items():
+        prior = joint_prior(model.double(), z, x)
+        assert prior.lean is None, name
+        torch.testing.assert_close(prior.dense(0, 1), prior.covariance(0, 1).to_dense(), rtol=0, atol=0)
+        torch.testing.assert_close(
+            prior.diagonal(1), prior.covariance(1, 1).diagonal(dim1=-2, dim2=-1), rtol=0, atol=0, msg=name
+        )
