@@ -26,9 +26,11 @@ class MeanBasisAdam(torch.optim.Adam):
 
     the mean degree of the basis's kernel graph (at least 1: the safe floor of a basis whose points do not overlap)
     times the prior standard deviation, so that ``lr`` is the step of the mean function in units of its prior standard
-    deviation. :math:`\mathbb E_{i\neq j}` is estimated each step from the kernel block between two disjoint random
-    subsets of ``num_samples`` basis points (:math:`O(\text{num\_samples}^2)` kernel entries) and smoothed over
-    steps with an exponential moving average.
+    deviation. :math:`\mathbb E_{i\neq j}` is estimated every ``refresh_every`` steps from the kernel block between
+    two disjoint random subsets of ``num_samples`` basis points (:math:`O(\text{num\_samples}^2)` kernel entries, one
+    evaluation of the model's prior) and smoothed over the estimates with an exponential moving average; the steps in
+    between keep the last smoothed value (the scale follows the hyperparameters, which move little in a few steps, and
+    an estimate costs about as much as a small step's arithmetic).
 
     The other parameters (hyperparameters, the covariance block) take their own optimizer: exclude the mean
     coefficients from it.
@@ -40,7 +42,8 @@ class MeanBasisAdam(torch.optim.Adam):
     :param betas: Adam's moment decays.
     :param eps: Adam's :math:`\epsilon`.
     :param num_samples: Basis points per subset of the degree estimate.
-    :param smoothing: Weight of the previous degree estimate in the moving average.
+    :param smoothing: Weight of the previous estimate in the moving average.
+    :param refresh_every: Steps per estimate of the scale (1: every step).
     :param generator: Random generator for the subsets (default: PyTorch's global one).
 
     The optimizer holds the coefficient parameters it was built with: after
@@ -83,8 +86,9 @@ class MeanBasisAdam(torch.optim.Adam):
         lr: float = 0.5,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        num_samples: int = 64,
-        smoothing: float = 0.9,
+        num_samples: int = 200,
+        smoothing: float = 0.35,
+        refresh_every: int = 10,
         generator: torch.Generator | None = None,
     ):
         strategies = [m for m in model.modules() if isinstance(getattr(m, "mean_basis", None), MeanBasis)]
@@ -95,8 +99,10 @@ class MeanBasisAdam(torch.optim.Adam):
             )
         if not lr > 0:
             raise ValueError(f"lr must be positive, got {lr}.")
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be a positive integer, got {num_samples}.")
+        if num_samples < 1 or refresh_every < 1:
+            raise ValueError(
+                f"num_samples and refresh_every must be positive integers, got {num_samples} and {refresh_every}."
+            )
         if not 0 <= smoothing < 1:
             raise ValueError(f"smoothing must lie in [0, 1), got {smoothing}.")
         groups = [{"params": [strategy.mean_basis.coefficients]} for strategy in strategies]
@@ -104,6 +110,7 @@ class MeanBasisAdam(torch.optim.Adam):
         self.strategies = strategies
         self.num_samples = num_samples
         self.smoothing = smoothing
+        self.refresh_every = refresh_every
         self.generator = generator
 
     @torch.no_grad()
@@ -148,21 +155,31 @@ class MeanBasisAdam(torch.optim.Adam):
 
     @torch.no_grad()
     def smoothed_function_scales(self) -> list[Tensor]:
-        r"""This step's function scale of every group (:meth:`function_scale`, smoothed with the previous step's).
+        r"""This step's function scale of every group: the last one kept, or, on the first step and every
+        ``refresh_every`` steps, a new estimate (:meth:`function_scale`) smoothed with it.
 
         :raises RuntimeError: If a scale is not finite and positive (before anything changes).
         """
         scales = []
         for group, strategy in zip(self.param_groups, self.strategies, strict=True):
+            state = self.state[group["params"][0]]
+            previous = state.get("function_scale")
+            if previous is not None and state["function_scale_age"] + 1 < self.refresh_every:
+                scales.append(previous)
+                continue
             scale = self.function_scale(strategy)
-            previous = self.state[group["params"][0]].get("function_scale")
             scales.append(scale if previous is None else torch.lerp(scale, previous, self.smoothing))
             if not torch.isfinite(scales[-1]) or not scales[-1] > 0:
                 raise RuntimeError(f"the mean basis's function scale is {float(scales[-1])}; nothing was changed.")
         return scales
 
     def keep_function_scales(self, scales: list[Tensor]) -> None:
-        """Keeps a step's scales for the next step's smoothing, beside Adam's moments (after them: Adam creates its
-        state on the first step)."""
+        """Keeps a step's scales for the next steps, beside Adam's moments (after them: Adam creates its state on the
+        first step), with the number of steps since each was estimated."""
         for group, scale in zip(self.param_groups, scales, strict=True):
-            self.state[group["params"][0]]["function_scale"] = scale
+            state = self.state[group["params"][0]]
+            # A scale that is not the kept tensor itself is a new estimate (smoothed_function_scales returns the kept
+            # one between estimates).
+            refreshed = scale is not state.get("function_scale")
+            state["function_scale_age"] = 0 if refreshed else state["function_scale_age"] + 1
+            state["function_scale"] = scale

@@ -90,6 +90,33 @@ def test_bad_arguments_are_refused_before_anything_changes() -> None:
     with pytest.raises(TypeError, match="decoupled strategy"):
         MeanBasisAdam(torch.nn.Linear(2, 1))
     model, _, _, _ = _problem("orthogonal", 40, "gaussian")
-    for name, value in (("lr", 0.0), ("num_samples", 0), ("smoothing", 1.0)):
+    for name, value in (("lr", 0.0), ("num_samples", 0), ("smoothing", 1.0), ("refresh_every", 0)):
         with pytest.raises(ValueError, match=name):
             MeanBasisAdam(model, **{name: value})
+
+
+def test_the_scale_is_estimated_every_refresh_every_steps_and_resumes() -> None:
+    model, likelihood, X, y = _problem("orthogonal", 200, "gaussian")
+    optimizer = MeanBasisAdam(model, refresh_every=4, generator=torch.Generator().manual_seed(0))
+    estimated = []
+    original = optimizer.function_scale
+    optimizer.function_scale = lambda strategy: estimated.append(len(estimated)) or original(strategy)
+    scales = []
+    for step in range(9):
+        _train(model, likelihood, X, y, optimizer, 1)
+        scales.append(optimizer.state[model.variational_strategy.mean_coefficients]["function_scale"])
+        if step == 4:  # a checkpoint mid-way between two estimates resumes the schedule
+            resumed = MeanBasisAdam(model, refresh_every=4)
+            resumed.load_state_dict(optimizer.state_dict())
+    assert len(estimated) == 3  # steps 1, 5 and 9
+    assert scales[0] is scales[3] and scales[4] is not scales[3] and scales[4] is scales[7]
+    state = resumed.state[model.variational_strategy.mean_coefficients]
+    assert state["function_scale_age"] == 0 and torch.equal(state["function_scale"], scales[4])
+    # Every step, as before: one estimate per step.
+    every, _, _, _ = _problem("orthogonal", 200, "gaussian")
+    optimizer = MeanBasisAdam(every, refresh_every=1)
+    calls = []
+    original = optimizer.function_scale
+    optimizer.function_scale = lambda strategy: calls.append(1) or original(strategy)
+    _train(every, likelihood, X, y, optimizer, 3)
+    assert len(calls) == 3
