@@ -257,16 +257,28 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
             return kl_divergence(getattr(q, "base_distribution", q), self.prior_distribution)
 
     def _cholesky_factor(self, covariance: LinearOperator) -> LinearOperator:
-        """GPyTorch's factor of :math:`\\mathbf K_\\beta` plus jitter (``covariance``), memoized for the step (training)
-        or for every prediction (eval mode); recomputed when inputs of another batch shape need another one."""
-        factor = whitened_cholesky_factor(self, covariance)
+        """The factor of :math:`\\mathbf K_\\beta` plus jitter (``covariance``), memoized for the step (training) or
+        for every prediction (eval mode); recomputed when inputs of another batch shape need another one. In eval mode
+        GPyTorch's (float64, as its strategy's predictions solve with it); in training the package's float64
+        factorization in the model's dtype (:func:`~gpytorch_decoupled.linalg.jittered_cholesky`: its backward pass in
+        that dtype), which GPyTorch's training pass casts its factor to anyway."""
+        factorize, name = (
+            (self._training_cholesky_factor, "training_cholesky_factor")
+            if self.training
+            else (functools.partial(whitened_cholesky_factor, self), "cholesky_factor")
+        )
+        factor = factorize(covariance)
         if factor.shape != covariance.shape:
             try:
-                pop_from_cache_ignore_args(self, "cholesky_factor")
+                pop_from_cache_ignore_args(self, name)
             except CachingError:
                 pass
-            factor = whitened_cholesky_factor(self, covariance)
+            factor = factorize(covariance)
         return factor
+
+    @cached(name="training_cholesky_factor", ignore_args=True)
+    def _training_cholesky_factor(self, covariance: LinearOperator) -> TriangularLinearOperator:
+        return TriangularLinearOperator(jittered_cholesky(covariance.to_dense(), name="K_beta"))
 
     def _beta_cholesky(self, covariance: LinearOperator | None = None) -> LinearOperator:
         """Cholesky factor of :math:`\\mathbf K_\\beta` (``covariance`` when given, e.g. a block of a joint prior) plus
@@ -313,22 +325,29 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
         block mean and covariance.
         """
         data = len(prior.sizes) - 1
+        induc_data_covar = prior.dense(0, data)
+        if diag and self.training and induc_data_covar.size(-2) < induc_data_covar.size(-1):
+            # GPyTorch's training pass with diag=True (its fused variance-only update, for more data than inducing
+            # points), in plain tensor operations: with W = L^-1 K_beta,x, the mean W^T m and the variances
+            # k_xx + diag(W^T (S - I) W) (the whitened prior is N(0, I)); the off-diagonal entries are not computed.
+            whitened = solve_lower(chol.to_dense().type(induc_data_covar.dtype), induc_data_covar)
+            mean_update = (whitened * block_mean.unsqueeze(-1)).sum(-2)
+            middle = -torch.eye(whitened.size(-2), dtype=whitened.dtype, device=whitened.device)
+            if variational_inducing_covar is not None:
+                middle = variational_inducing_covar.to_dense() + middle
+            variance_update = ((middle @ whitened) * whitened).sum(-2)
+            variances = prior.diagonal(data) + self.jitter_val + variance_update
+            return prior.mean(data) + mean_update, DiagLinearOperator(variances)
         mean_update, covariance_update = compute_predictive_updates(
             self,
             chol=chol,
-            induc_data_covar=prior.dense(0, data),
+            induc_data_covar=induc_data_covar,
             inducing_values=block_mean,
             variational_inducing_covar=variational_inducing_covar,
             prior_covar=self.prior_distribution.lazy_covariance_matrix,
             diag=diag,
         )
-        if isinstance(covariance_update, DiagLinearOperator):
-            # GPyTorch's training pass with diag=True: only the predictive variances are computed (the off-diagonal
-            # entries would be the prior's), so only the prior's are needed.
-            data_covariance = DiagLinearOperator(prior.diagonal(data) + self.jitter_val)
-        else:
-            data_covariance = prior.covariance(data, data).add_jitter(self.jitter_val)
-        covariance = SumLinearOperator(data_covariance, covariance_update)
+        covariance = SumLinearOperator(prior.covariance(data, data).add_jitter(self.jitter_val), covariance_update)
         if trace_mode.on():
             covariance = covariance.to_dense()
         return prior.mean(data) + mean_update, covariance

@@ -286,6 +286,11 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
         return MultivariateNormal(mean, prior.covariance(1, 1) + MatmulLinearOperator(reduction.mT.neg(), reduction))
 
     def kl_divergence(self) -> Tensor:
-        chol = self._inner_cholesky(self.prior_distribution.lazy_covariance_matrix.to_dense())
+        chol = self._inner_cholesky_factor
+        latent_shape = self._variational_distribution.precision_factor.shape[:-2]
+        # The factor of this step's forward pass, where its inputs added no batch dimensions: no second evaluation of
+        # K_beta (nor its backward pass) for the KL.
+        if chol is None or chol.shape[:-2] != torch.broadcast_shapes(self.inducing_points.shape[:-2], latent_shape):
+            chol = self._inner_cholesky(self.prior_distribution.lazy_covariance_matrix.to_dense())
         covariance_kl = whitened_kl(chol)
         return 0.5 * self.mean_basis_quadratic_form() + covariance_kl.to(self.inducing_points.dtype)
