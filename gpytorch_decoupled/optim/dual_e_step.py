@@ -163,12 +163,12 @@ class DualEStep(torch.optim.Optimizer):
             definite; the sites are then unchanged.
         """
         distribution = self.strategy._variational_distribution
-        x = self.strategy.checked_inputs(x, dim=2)
+        inputs = self.strategy.checked_inputs(x, dim=2)  # padded as the strategy's own calls pad them
         shape, batch_shape = self._target_shape(x.size(0))
         check_targets(y, "y", shape, self.strategy.inducing_points, self.likelihood, batch_shape)
         if distribution.per_datum:
             self._check_indices(indices, x)
-        first_target, second_target, statistics = self._targets(x, y, distribution.per_datum)
+        first_target, second_target, statistics = self._targets(inputs, y, distribution.per_datum)
         self._last_factors = None
         lr = self.param_groups[0]["lr"]
         site_mean, site_precision = distribution()
