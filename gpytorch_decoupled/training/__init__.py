@@ -1,14 +1,14 @@
 r"""
 Compiled training steps: :func:`compile_training_step` captures a whole step (forward, ELBO, backward, optimizer
 updates) in one :func:`torch.compile` graph, through a lean tensor path with the values and gradients of GPyTorch's
-general path (:class:`LeanELBO`, :class:`LeanKernel`, :class:`LeanLikelihood`, and t-SVGP's E-step
-:class:`LeanEStep`); :func:`eager_training_step` is the eager step it equals. The Kalman-recursive family's steps,
-SRGP's (:class:`RecursiveTrainingStep`) and the Kalman update (:class:`KalmanUpdateStep`), compile through the same
-helper, from the lean prior blocks :class:`LeanKalmanBlocks`. The documentation's guide on compiling
+general path (:class:`LeanELBO`, :class:`~gpytorch_decoupled.linalg.LeanKernel`, :class:`LeanLikelihood`, and
+t-SVGP's E-step :class:`LeanEStep`); :func:`eager_training_step` is the eager step it equals. The Kalman-recursive
+family's steps, SRGP's (:class:`RecursiveTrainingStep`) and the Kalman update (:class:`KalmanUpdateStep`), compile
+through the same helper, from the lean prior blocks :class:`LeanKalmanBlocks`. The documentation's guide on compiling
 says what is supported and what falls back to eager.
 """
 
-from ..linalg import LeanKernel
+from ..linalg import LeanKernel as LeanKernel  # moved to linalg; importable here as before
 from . import lean_strategies, optimizer_updates
 from .compile_training_step import compile_training_step
 from .eager_training_step import eager_training_step
@@ -25,7 +25,6 @@ __all__ = [
     "LeanELBO",
     "LeanEStep",
     "LeanKalmanBlocks",
-    "LeanKernel",
     "LeanLikelihood",
     "RecursiveTrainingStep",
     "TrainingStep",

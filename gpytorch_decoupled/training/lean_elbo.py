@@ -28,7 +28,7 @@ class LeanELBO:
     :func:`torch.compile` captures a whole training step in one graph. Built by :meth:`of` when every part of the model
     is of a supported type: a strategy of :data:`~gpytorch_decoupled.training.lean_strategies.STRATEGY_TERMS` (with
     its supported variational distributions), a zero or constant mean and a kernel supported by
-    :class:`~gpytorch_decoupled.training.LeanKernel` as ``model.mean_module`` and ``model.covar_module``, whose
+    :class:`~gpytorch_decoupled.linalg.LeanKernel` as ``model.mean_module`` and ``model.covar_module``, whose
     ``model.forward`` is checked once to be exactly the Gaussian prior they define, a likelihood supported by
     :class:`~gpytorch_decoupled.training.LeanLikelihood`, no priors on any parameter and no added loss terms. Everything
     is read from the modules at every call, so the lean path always sees the current parameters.

@@ -29,7 +29,7 @@ class LeanKalmanBlocks(torch.nn.Module):
     DTC are made of (`Schuerch et al. (2020)`_, Sec. 3.2).
 
     Supported (:meth:`unsupported`): the strategy without batch shape, a zero or constant mean and a kernel of
-    :class:`~gpytorch_decoupled.training.LeanKernel` as ``model.mean_module`` and ``model.covar_module`` with
+    :class:`~gpytorch_decoupled.linalg.LeanKernel` as ``model.mean_module`` and ``model.covar_module`` with
     ``model.forward`` their Gaussian prior (checked once, numerically), any of the strategy's approximations.
 
     :param model: The model.

@@ -5,7 +5,7 @@ strategy's own training forward pass and ``kl_divergence()`` (tested to :math:`1
 strategy type, found by exact type in :data:`STRATEGY_TERMS`; a subclass (which may change the forward pass) is not
 matched and keeps the general path.
 
-Every function takes the strategy, the :class:`~gpytorch_decoupled.training.LeanKernel` and prior mean of its model,
+Every function takes the strategy, the :class:`~gpytorch_decoupled.linalg.LeanKernel` and prior mean of its model,
 the inputs and this step's random draws (made eagerly, before the compiled region, by the second function of its
 entry in :data:`STRATEGY_TERMS`, from the same generator calls as the strategy's own training pass; none for the
 strategies here), and returns ``(mean, variance, kl, statistics)``: ``statistics`` is what an update of the step
@@ -91,7 +91,7 @@ def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction,
     :math:`\mathbf K_{\cdot\gamma}\mathbf a_\gamma` at :math:`[\beta; \mathbf x]` from one kernel block, the residual
     coordinates :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma` and the exact
     :math:`\mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma` (Salimbeni et al. 2018, eqs. 11-12, App. A), swept in
-    tiles as the general path does (:meth:`~gpytorch_decoupled.training.LeanKernel.quadratic_form`): the training KL
+    tiles as the general path does (:meth:`~gpytorch_decoupled.linalg.LeanKernel.quadratic_form`): the training KL
     of a mean basis of at most ``exact_kl_size`` points (larger bases, whose KL is a control-variate estimate, keep
     the general path).
     """
