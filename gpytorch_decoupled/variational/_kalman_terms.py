@@ -155,6 +155,42 @@ def bound_term(
     return -0.5 * (size * math.log(2 * math.pi) + log_det_ratio + terms.log_det_noise + quadratic) - terms.regularizer
 
 
+def held_in_u_space(
+    prior_cholesky: Tensor,  # (..., M, M), L_uu of the jittered K_uu
+    inducing_covariance: Tensor,  # (..., M, M), jittered K_uu, differentiable in the hyperparameters
+    information_vector: Tensor,  # (..., M), the absorbed statistics eta~
+    information_matrix: Tensor,  # (..., M, M), the absorbed statistics Lambda~ - K_uu
+) -> KalmanStatistics:
+    r"""
+    The absorbed statistics :math:`\tilde{\boldsymbol\eta}` and :math:`\tilde{\boldsymbol\Lambda}` (the data part of
+    the information matrix :math:`\mathbf A = \mathbf K_{\mathbf{uu}} + \tilde{\boldsymbol\Lambda}`) as functions of
+    the hyperparameters :math:`\theta` with the data held fixed as sites in u-space
+    (:ref:`derivations-kalman-gradients`): with :math:`\bar{\mathbf K}` the value of :math:`\mathbf K_{\mathbf{uu}}`
+    (detached) and :math:`\mathbf D = \mathbf K_{\mathbf{uu}}(\theta) - \bar{\mathbf K}`, the sites
+    :math:`\boldsymbol\ell_1 = \bar{\mathbf K}^{-1}\tilde{\boldsymbol\eta}` and
+    :math:`\mathbf L_2 = \bar{\mathbf K}^{-1}\tilde{\boldsymbol\Lambda}\bar{\mathbf K}^{-1}` are constants and
+
+    .. math::
+
+        \mathbf K_{\mathbf{uu}}(\theta)\boldsymbol\ell_1 = \tilde{\boldsymbol\eta} + \mathbf D\boldsymbol\ell_1,
+        \qquad
+        \mathbf K_{\mathbf{uu}}(\theta)\mathbf L_2\mathbf K_{\mathbf{uu}}(\theta) = \tilde{\boldsymbol\Lambda}
+            + \mathbf D\mathbf W + \mathbf W^\top\mathbf D + \mathbf D\mathbf L_2\mathbf D,
+        \qquad \mathbf W = \bar{\mathbf K}^{-1}\tilde{\boldsymbol\Lambda}.
+
+    :math:`\mathbf D` is exactly zero in value, so the statistics are returned bit for bit; the last term, which
+    vanishes with its first derivative, is left out, so that values and gradients are exact (second derivatives are
+    not). :math:`\boldsymbol\ell_1` and :math:`\mathbf W` are solves with ``prior_cholesky``, without a graph.
+    """
+    difference = inducing_covariance - inducing_covariance.detach()  # D, zero in value
+    with torch.no_grad():
+        site_vector = cholesky_solve(prior_cholesky, information_vector.unsqueeze(-1))  # ell_1
+        solved_matrix = cholesky_solve(prior_cholesky, information_matrix)  # W
+    first_order = difference @ solved_matrix
+    vector = information_vector + (difference @ site_vector).squeeze(-1)
+    return KalmanStatistics(vector, information_matrix + first_order + first_order.mT)
+
+
 def collapsed_bound_tail(
     inducing_covariance: Tensor,  # (..., M, M), jittered K_uu
     information_vector: Tensor,  # (..., M), all data's eta~

@@ -22,6 +22,7 @@ from ._kalman_terms import (
     bound_term,
     checked_approximation,
     collapsed_bound_tail,
+    held_in_u_space,
     observation_terms,
 )
 from ._strategy_multivariate_normal import _StrategyMultivariateNormal
@@ -97,7 +98,23 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
     gradient propagation, :class:`~gpytorch_decoupled.optim.RecursiveGradientPropagation` (the paper's SRGP), or with
     the exact full-data gradient of :class:`~gpytorch_decoupled.mlls.StreamingCollapsedBound`. ``kl_divergence``
     is :math:`\mathrm{KL}(q(\mathbf u)\Vert p(\mathbf u))`, so :class:`~gpytorch.mlls.VariationalELBO` works too (at
-    the VFE posterior it equals Titsias' bound).
+    the VFE posterior it equals Titsias' bound), and so does :class:`~gpytorch.mlls.PredictiveLogLikelihood`.
+
+    **Gradients.** A training forward pass and ``kl_divergence`` differentiate :math:`q(\mathbf u)` with the absorbed
+    data held fixed as sites in u-space, as the M-step of t-SVGP holds its sites (`Adam et al. (2021)`_, App. B): with
+    :math:`\bar{\mathbf K}` the value of :math:`\mathbf K_{\mathbf{uu}}`, the sites :math:`\boldsymbol\ell_1 =
+    \bar{\mathbf K}^{-1}\tilde{\boldsymbol\eta}` and :math:`\mathbf L_2 = \bar{\mathbf K}^{-1}
+    \sum_k\Delta\tilde{\boldsymbol\Lambda}_k\bar{\mathbf K}^{-1}` are constants and
+    :math:`q(\mathbf u) \propto \mathcal N(\mathbf u; \mu_0(\mathbf Z), \mathbf K_{\mathbf{uu}}(\theta))
+    \exp(\boldsymbol\ell_1^\top\mathbf u' - \tfrac12\mathbf u'^\top\mathbf L_2\mathbf u')` with
+    :math:`\mathbf u' = \mathbf u - \mu_0(\mathbf Z)`. The values are those of the closed-form state, bit for bit;
+    only the gradients with respect to the hyperparameters and inducing inputs are this :math:`q`'s
+    (:ref:`derivations-kalman-gradients`). SRGP and :class:`~gpytorch_decoupled.mlls.StreamingCollapsedBound`
+    differentiate the bound through the statistics themselves and are not affected. Holding the sums
+    :math:`\tilde{\boldsymbol\eta}`, :math:`\sum_k\Delta\tilde{\boldsymbol\Lambda}_k` fixed instead would move the
+    u-space sites with :math:`\mathbf K_{\mathbf{uu}}^{-1}`, whose derivatives grow without bound as inducing inputs
+    come close (training on ``PredictiveLogLikelihood`` is then chaotic). At the fresh VFE state (all data absorbed at
+    the current hyperparameters) the ELBO's gradient is the collapsed bound's either way.
 
     **Training loops.** The state moves only through :meth:`update` (or the update steps built on it), never by
     gradients: a training forward pass with gradients while nothing is absorbed raises a ``RuntimeError`` that names
@@ -157,6 +174,8 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
 
     .. _Schuerch et al. (2020):
         https://arxiv.org/abs/1910.08393
+    .. _Adam et al. (2021):
+        https://arxiv.org/abs/2111.03412
     """
 
     _step_attributes = ("_eval_posterior_factors",)
@@ -605,13 +624,18 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
     def _posterior_factors(self, inducing_covariance: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         r"""Float64 :math:`\mathbf L_{\mathbf{uu}}`, :math:`\mathbf L_A` (:math:`\mathbf A = \mathbf K_{\mathbf{uu}} +
         \tilde{\boldsymbol\Lambda}`) and :math:`\mathbf A^{-1}\tilde{\boldsymbol\eta}`; kept in eval mode
-        (``_eval_posterior_factors``)."""
+        (``_eval_posterior_factors``). In training with gradients, the statistics are those of the absorbed data held
+        fixed as sites in u-space (``held_in_u_space``: the same values, other gradients)."""
         factors = self._eval_posterior_factors
         # Inputs with extra batch dimensions give expanded factors: those are not reused for other shapes.
         if not self.training and factors is not None and factors[0].shape == inducing_covariance.shape:
             return factors
         information_vector, information_matrix = self.statistics
         prior_cholesky = jittered_cholesky(inducing_covariance, name="K_uu")
+        if self.training and inducing_covariance.requires_grad:
+            information_vector, information_matrix = held_in_u_space(
+                prior_cholesky, inducing_covariance, information_vector, information_matrix
+            )
         cholesky = jittered_cholesky(inducing_covariance + information_matrix, name="Kalman precision K_uu + Lambda")
         coefficients = cholesky_solve(cholesky, information_vector.unsqueeze(-1)).squeeze(-1)
         factors = (prior_cholesky, cholesky, coefficients)
@@ -644,7 +668,8 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         :math:`\mathrm{KL}(\mathcal N(\mathbf m, \mathbf S) \Vert \mathcal N(\mathbf 0, \mathbf K_{\mathbf{uu}}))
         = \tfrac12[\operatorname{tr}(\mathbf A^{-1}\mathbf K_{\mathbf{uu}}) - M + \tilde{\boldsymbol\eta}^\top
         \mathbf A^{-1}\mathbf K_{\mathbf{uu}}\mathbf A^{-1}\tilde{\boldsymbol\eta} + \log\lvert\mathbf A\rvert
-        - \log\lvert\mathbf K_{\mathbf{uu}}\rvert]`, differentiable in the hyperparameters at fixed statistics.
+        - \log\lvert\mathbf K_{\mathbf{uu}}\rvert]`, differentiable in the hyperparameters with the absorbed data held
+        fixed as u-space sites (see **Gradients** in the class's description).
         """
         inducing_covariance, _ = self._inducing_prior()
         prior_cholesky, cholesky, coefficients = self._posterior_factors(inducing_covariance)
