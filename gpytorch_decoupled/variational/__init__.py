@@ -6,7 +6,7 @@ from ._kalman_terms import KalmanIncrements, KalmanStatistics, ObservationTerms
 from .checked_inputs import checked_inputs
 from .convert_mean_basis import convert_mean_basis
 from .decoupled_variational_distribution import DecoupledVariationalDistribution, DecoupledVariationalParameters
-from .decoupled_variational_strategy import DecoupledVariationalStrategy
+from .decoupled_variational_strategy import DecoupledCurvature, DecoupledVariationalStrategy
 from .dual_variational_distribution import DualSites, DualVariationalDistribution
 from .dual_variational_strategy import DualPosteriorFactors, DualSiteStatistics, DualVariationalStrategy
 from .fast_natural_variational_distribution import FastNaturalVariationalDistribution
@@ -21,6 +21,7 @@ from .mean_basis import MeanBasis, MeanBasisValues
 from .orthogonally_decoupled_variational_strategy import OrthogonallyDecoupledVariationalStrategy
 
 __all__ = [
+    "DecoupledCurvature",
     "DecoupledVariationalDistribution",
     "DecoupledVariationalParameters",
     "DecoupledVariationalStrategy",

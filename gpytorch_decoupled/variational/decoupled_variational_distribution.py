@@ -34,9 +34,9 @@ class DecoupledVariationalDistribution(VariationalDistributionBase):
     (only its lower triangle is read, and :math:`\mathbf B` may be singular). It starts near zero, as the paper's
     reference code does: exactly zero would be a saddle point of the ELBO in :math:`\mathbf L_B`.
 
-    There is no practical natural gradient for this parametrization (Salimbeni et al. 2018, App. C.1;
-    :ref:`derivations-decoupled-natural-gradient`): train it with Adam, which ``model.variational_parameters()`` makes
-    easy to give its own learning rate.
+    There is no natural gradient of both blocks together for this parametrization (Salimbeni et al. 2018, App. C.1;
+    :ref:`derivations-decoupled-natural-gradient`); :class:`~gpytorch_decoupled.optim.MeanBasisAdam` steps
+    :math:`\mathbf a` and :math:`\mathbf B` block by block (:ref:`derivations-decoupled-step`).
 
     :param num_mean_points: Size :math:`M_\alpha` of the mean basis.
     :param num_inducing_points: Size :math:`M_\beta` of the covariance basis.

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from gpytorch.distributions import MultivariateNormal
@@ -18,6 +19,20 @@ from .checked_inputs import checked_basis_points
 from .decoupled_variational_distribution import DecoupledVariationalDistribution
 from .joint_prior import joint_prior
 from .mean_basis import EXACT_KL_SIZE, MeanBasis, MeanBasisAttribute, load_renamed_keys
+
+
+class DecoupledCurvature(NamedTuple):
+    r"""What a :class:`DecoupledVariationalStrategy` records of the loss :math:`\mathcal L` in the backward passes of
+    its training calls while ``record_curvature`` is set, since :meth:`DecoupledVariationalStrategy.reset_curvature`:
+    the inputs of every call (concatenated), per datum the derivatives of :math:`\mathcal L` in its marginal mean
+    :math:`m_n` and variance :math:`s_n`, and the KL's weight in :math:`\mathcal L` (summed).
+    :class:`~gpytorch_decoupled.optim.MeanBasisAdam` steps the strategy with them
+    (:ref:`derivations-decoupled-step`)."""
+
+    inputs: Tensor  # x of the recorded calls, (..., n, D)
+    variance_weights: Tensor  # 2 dL/ds_n, (..., n)
+    mean_weights: Tensor  # b (dL/dm_n)^2, b the number of data of the datum's call, (..., n)
+    kl_weight: Tensor  # dL/dKL, (...)
 
 
 class DecoupledVariationalStrategy(_DirectVariationalStrategy):
@@ -56,11 +71,15 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
 
     The posterior covariance is exactly the S-form of SVGP with :math:`\mathbf S = (\mathbf K_\beta^{-1} +
     \mathbf B)^{-1} \preceq \mathbf K_\beta`: variances never exceed the prior's. The parametrization is not convex and
-    has no practical natural gradient (Salimbeni et al. 2018, App. C.1;
-    :ref:`derivations-decoupled-natural-gradient`): train everything with Adam. ``jacobi_preconditioning`` optimizes
+    has no natural gradient of both blocks together (Salimbeni et al. 2018, App. C.1;
+    :ref:`derivations-decoupled-natural-gradient`), and first-order steps stall on it: :math:`\mathbf K_\alpha` is
+    ill-conditioned, and :math:`\mathbf B` must grow with the data's precision. Step the mean coefficients with
+    :class:`~gpytorch_decoupled.optim.MeanBasisAdam` and the rest with Adam: on this strategy it takes a
+    natural-gradient step on :math:`\mathbf B` and a damped Gauss-Newton step on :math:`\mathbf a` from the curvature
+    the strategy records (:ref:`derivations-decoupled-step`). ``jacobi_preconditioning`` optimizes
     :math:`\mathbf a_0 = \operatorname{diag}(\mathbf K_\alpha)\mathbf a` and
     :math:`\mathbf L_0 = \operatorname{diag}(\mathbf K_\beta)\mathbf L_B` instead (`Cheng & Boots (2017)`_, App. A.1;
-    :ref:`derivations-jacobi`), which makes Adam's steps independent of the prior's amplitude.
+    :ref:`derivations-jacobi`), which makes plain Adam's steps independent of the prior's amplitude.
 
     Cheng & Boots' own recipe adds per-basis length-scales
     (:class:`~gpytorch_decoupled.kernels.GeneralizedRBFKernel`, as extra trailing columns of the inducing points) and
@@ -72,6 +91,11 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
     ``load_state_dict``, ``.to()``): ``_inner_cholesky_factor``, the factor :math:`\mathbf R` of :math:`\mathbf H`,
     from the forward pass of a training step to its KL and, in eval mode, across predictions; the mean basis keeps this
     step's sample of :math:`\mathbf a^\top\mathbf K_\alpha\mathbf a` itself.
+
+    While the attribute ``record_curvature`` is True (:class:`~gpytorch_decoupled.optim.MeanBasisAdam` sets it), every
+    training call with gradients adds a zero vector to the marginal variances at the data (the values do not change),
+    and backward hooks on it, on the mean at the data and on the KL record what :class:`DecoupledCurvature` holds
+    (:attr:`curvature`): like ``.grad``, over backward passes until :meth:`reset_curvature`.
 
     :param model: Model this strategy is applied to (typically the :class:`~gpytorch.models.ApproximateGP` itself).
     :param inducing_points: Covariance basis :math:`\beta`, ``(..., M_beta, D)``.
@@ -118,6 +142,8 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
 
     _step_attributes = ("_inner_cholesky_factor",)
     _inner_cholesky_factor: Tensor | None = None
+    #: Record :class:`DecoupledCurvature` in the backward passes of training calls.
+    record_curvature: bool = False
 
     mean_inducing_points = MeanBasisAttribute("inducing_points", r"The mean basis :math:`\alpha`, ``(M_alpha, D)``.")
     num_kl_columns = MeanBasisAttribute("num_kl_columns", r"Rows of :math:`\mathbf K_\alpha` sampled for the KL.")
@@ -235,6 +261,48 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
         """
         return self.mean_basis.quadratic_form(self.mean_coefficients, indices)
 
+    # ------------------------------------------------------------------ curvature of the loss
+    @property
+    def curvature(self) -> DecoupledCurvature | None:
+        r"""The :class:`DecoupledCurvature` recorded since :meth:`reset_curvature`, or None if no backward pass has
+        reached both the data terms and the KL."""
+        calls = self.__dict__.get("_curvature_calls", [])
+        kl_weight = self.__dict__.get("_kl_weight")
+        if not calls or kl_weight is None:
+            return None
+        inputs = torch.cat([call["inputs"] for call in calls], dim=-2)
+        weights = {
+            name: torch.cat([call[name] for call in calls], dim=-1) for name in ("variance_weights", "mean_weights")
+        }
+        return DecoupledCurvature(inputs=inputs, kl_weight=kl_weight, **weights)
+
+    def reset_curvature(self) -> None:
+        """Forgets the recorded curvature (:class:`~gpytorch_decoupled.optim.MeanBasisAdam` does, in ``zero_grad``)."""
+        self.__dict__.update(_curvature_calls=[], _kl_weight=None)
+
+    def _record_kl_weight(self, gradient: Tensor) -> None:
+        previous = self.__dict__.get("_kl_weight")
+        self.__dict__["_kl_weight"] = gradient.detach() if previous is None else previous + gradient.detach()
+
+    def _curvature_probe(self, x: Tensor, mean: Tensor, shape: torch.Size) -> Tensor:
+        r"""A zero vector :math:`\mathbf z` of the marginal variances' shape, for the caller to add to them, so that
+        :math:`\partial\mathcal L/\partial\mathbf z = \partial\mathcal L/\partial\mathbf s`, with the hooks that
+        record it and :math:`\partial\mathcal L/\partial\mathbf m` for this call (:class:`DecoupledCurvature`)."""
+        zeros = torch.zeros(shape, dtype=x.dtype, device=x.device)
+        call = {"inputs": x.detach(), "variance_weights": zeros, "mean_weights": zeros}
+
+        def record(name: str, value: Tensor) -> None:
+            calls = self.__dict__.setdefault("_curvature_calls", [])
+            if not any(entry is call for entry in calls):  # the call's first hook
+                calls.append(call)
+            call[name] = call[name] + value.detach()
+
+        if mean.requires_grad:
+            mean.register_hook(lambda gradient: record("mean_weights", gradient.pow(2) * gradient.size(-1)))
+        probe = torch.zeros(shape, dtype=x.dtype, device=x.device, requires_grad=True)
+        probe.register_hook(lambda gradient: record("variance_weights", 2 * gradient))
+        return probe
+
     @torch.no_grad()
     def grow_bases(self, mean_points: Tensor | None = None, inducing_points: Tensor | None = None) -> None:
         r"""
@@ -280,10 +348,14 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
         # V = R^-1 L_B^T K_bx, so that the variance reduction is ||V_:n||^2 (Cheng & Boots 2017, App. B.2.1)
         reduction = solve_lower(chol.to(beta_data.dtype), factor.mT @ beta_data)
         mean = prior.mean(1) + self.mean_basis.fused_values(x, [], self.mean_coefficients, **kwargs).data_values
+        probe = None
+        if self.training and self.record_curvature and torch.is_grad_enabled():
+            probe = self._curvature_probe(x, mean, torch.broadcast_shapes(mean.shape, reduction.shape[:-2] + (1,)))
         if diag and self.training:
             variance = prior.diagonal(1) - reduction.pow(2).sum(-2)
-            return MultivariateNormal(mean, DiagLinearOperator(variance))
-        return MultivariateNormal(mean, prior.covariance(1, 1) + MatmulLinearOperator(reduction.mT.neg(), reduction))
+            return MultivariateNormal(mean, DiagLinearOperator(variance if probe is None else variance + probe))
+        covariance = prior.covariance(1, 1) + MatmulLinearOperator(reduction.mT.neg(), reduction)
+        return MultivariateNormal(mean, covariance if probe is None else covariance + DiagLinearOperator(probe))
 
     def kl_divergence(self) -> Tensor:
         chol = self._inner_cholesky_factor
@@ -293,4 +365,7 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
         if chol is None or chol.shape[:-2] != torch.broadcast_shapes(self.inducing_points.shape[:-2], latent_shape):
             chol = self._inner_cholesky(self.prior_distribution.lazy_covariance_matrix.to_dense())
         covariance_kl = whitened_kl(chol)
-        return 0.5 * self.mean_basis_quadratic_form() + covariance_kl.to(self.inducing_points.dtype)
+        kl = 0.5 * self.mean_basis_quadratic_form() + covariance_kl.to(self.inducing_points.dtype)
+        if self.training and self.record_curvature and kl.requires_grad:
+            kl.register_hook(self._record_kl_weight)
+        return kl

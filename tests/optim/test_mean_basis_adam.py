@@ -1,16 +1,34 @@
 """MeanBasisAdam: its first step moves the mean function by the same amount whatever the basis size (plain Adam's
 step grows with it), and with the default rate it converges, without oscillating, to the optimal mean coefficients
 for a Gaussian and a Bernoulli likelihood at a small and a 16 times larger mean basis (float64; the optimum from
-L-BFGS on the same objective)."""
+L-BFGS on the same objective). On the decoupled strategy, its curvature step reaches the closed-form optimum of a
+Gaussian likelihood (spec 3.3 and 5.13)."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
-from gpytorch_decoupled.optim import MeanBasisAdam
-from tests.float64_problems import F64, bernoulli_likelihood, full_batch_elbo, gaussian_likelihood
-from tests.variational.mean_basis_cases import MeanBasisGP
+from gpytorch_decoupled.optim import MeanBasisAdam, OnlineBasisGrowth
+from tests.float64_problems import (
+    F64,
+    NOISE,
+    bernoulli_likelihood,
+    decoupled_blocks,
+    fix_hyperparameters,
+    full_batch_elbo,
+    gaussian_likelihood,
+    generator,
+    odvgp_blocks,
+    prior_variances,
+    randn,
+    random_factor,
+    regression_problem,
+)
+from tests.oracles import decoupled_optimum, odvgp_optimal_elbo
+from tests.variational.mean_basis_cases import MeanBasisGP, set_decoupled_state
 
 SIZES = (40, 640)
 
@@ -120,3 +138,170 @@ def test_the_scale_is_estimated_every_refresh_every_steps_and_resumes() -> None:
     optimizer.function_scale = lambda strategy: calls.append(1) or original(strategy)
     _train(every, likelihood, X, y, optimizer, 3)
     assert len(calls) == 3
+
+
+# ------------------------------------------------------------------ the decoupled strategy's curvature step
+def _decoupled_problem():
+    """Spec B3's problem (alpha = [gamma; beta], fixed hyperparameters), the coefficients near the prior."""
+    beta, gamma, X, y = regression_problem(8)
+    alpha = torch.cat([gamma, beta])
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = MeanBasisGP("decoupled", beta, alpha)
+    return model, gaussian_likelihood(), alpha, beta, X, y
+
+
+def _elbo_steps(model, likelihood, X, y, optimizer, steps: int) -> list[float]:
+    """Full-batch steps on GPyTorch's ELBO (the loss averages over the data, as MeanBasisAdam assumes); ELBO * N
+    before each step."""
+    values = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        elbo = full_batch_elbo(model, likelihood, X, y)
+        (-elbo / X.size(0)).backward()
+        optimizer.step()
+        values.append(elbo.item())
+    return values
+
+
+def _optimal_elbo(alpha, beta, X, y) -> float:
+    gamma = alpha[: alpha.size(0) - beta.size(0)]
+    blocks = odvgp_blocks(gamma, beta, X)
+    return odvgp_optimal_elbo(**blocks, k_XX_diag=prior_variances(X.size(0)), y=y, noise=NOISE).item()
+
+
+def _process(model) -> tuple[torch.Tensor, torch.Tensor]:
+    strategy = model.variational_strategy
+    factor = strategy.precision_factor.detach()
+    return strategy.mean_coefficients.detach().clone(), factor @ factor.mT
+
+
+def test_decoupled_covariance_step_sets_the_closed_form_optimum() -> None:
+    # Gaussian likelihood, full data: the natural-gradient target of B is B* of spec (3.3) whatever a and L_B are, so
+    # covariance_lr=1 reaches it in one step (float64 roundoff of the pseudo-inverse of K_beta).
+    model, likelihood, alpha, beta, X, y = _decoupled_problem()
+    gen = generator(11)
+    set_decoupled_state(model, randn(16, gen=gen), random_factor(6, gen, scale=0.7))
+    _elbo_steps(model, likelihood, X, y, MeanBasisAdam(model, covariance_lr=1.0), 1)
+    _, B_star, _ = decoupled_optimum(**decoupled_blocks(alpha, beta, X), y=y, noise=NOISE)
+    B = _process(model)[1]
+    assert (B - B_star).norm() < 1e-9 * B_star.norm(), ((B - B_star).norm(), B_star.norm())
+
+
+def test_decoupled_full_steps_converge_monotonically_to_the_optimum() -> None:
+    # lr=1 and covariance_lr=1: B is at B* from the first step and a takes damped Newton steps (its curvature through
+    # beta, exact on the diagonal): the ELBO rises to ELBO* (spec 5.13) without overshooting.
+    model, likelihood, alpha, beta, X, y = _decoupled_problem()
+    best = _optimal_elbo(alpha, beta, X, y)
+    values = _elbo_steps(model, likelihood, X, y, MeanBasisAdam(model, lr=1.0, covariance_lr=1.0), 150)
+    assert best - values[0] > 100.0  # it did start far away
+    assert max(values) <= best + 1e-9 * abs(best)
+    assert all(later >= earlier - 1e-9 * abs(best) for earlier, later in zip(values[1:], values[2:]))
+    assert best - values[-1] < 1e-8 * abs(best), (best, values[-1])
+
+
+def test_decoupled_default_rates_approach_the_optimum() -> None:
+    model, likelihood, alpha, beta, X, y = _decoupled_problem()
+    best = _optimal_elbo(alpha, beta, X, y)
+    values = _elbo_steps(model, likelihood, X, y, MeanBasisAdam(model), 200)
+    assert max(values) <= best + 1e-9 * abs(best)
+    assert best - values[-1] < 1e-3 * (best - values[0]), (best, values[0], values[-1])
+
+
+def test_decoupled_jacobi_preconditioned_strategy_takes_the_same_step() -> None:
+    # The step is taken in the strategy's a and L_B: with the raw parameters mapped (a_0 = diag(K_alpha) a,
+    # L_0 = diag(K_beta) L_B) the process after three steps is the plain model's. Prior variances differ from 1.
+    models = []
+    for jacobi in (False, True):
+        beta, gamma, X, y = regression_problem(8)
+        model = MeanBasisGP("decoupled", beta, torch.cat([gamma, beta]), jacobi_preconditioning=jacobi)
+        fix_hyperparameters(model, outputscale=2.3)
+        gen = generator(12)
+        a, L_B = randn(16, gen=gen), random_factor(6, gen, scale=0.7)
+        scale = 2.3 if jacobi else 1.0  # diag(K) of the scaled SE kernel
+        set_decoupled_state(model, scale * a, scale * L_B)
+        _elbo_steps(model, gaussian_likelihood(), X, y, MeanBasisAdam(model), 3)
+        models.append(_process(model))
+    for jacobi, plain in zip(models[1], models[0], strict=True):
+        torch.testing.assert_close(jacobi, plain, rtol=1e-10, atol=1e-12)
+
+
+def test_decoupled_state_dict_resumes_the_same_steps() -> None:
+    # The running averages of the data's curvature are optimizer state: a run resumed from a checkpoint after two
+    # steps takes the same third step as the uninterrupted run.
+    runs = []
+    for resume in (False, True):
+        model, likelihood, alpha, beta, X, y = _decoupled_problem()
+        optimizer = MeanBasisAdam(model)
+        _elbo_steps(model, likelihood, X, y, optimizer, 2)
+        if resume:
+            checkpoint = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+            model, likelihood, alpha, beta, X, y = _decoupled_problem()
+            optimizer = MeanBasisAdam(model)
+            model.load_state_dict(checkpoint[0])
+            optimizer.load_state_dict(checkpoint[1])
+            kept = set(optimizer.state[model.variational_strategy.mean_basis.coefficients])
+            assert kept == {"step", "mean_precision", "residual_curvature", "age", "alpha_variances"} | {
+                "rows",
+                "diagonal",
+                "inner_factor",
+            }
+        _elbo_steps(model, likelihood, X, y, optimizer, 1)
+        runs.append(_process(model))
+    for resumed, uninterrupted in zip(runs[1], runs[0], strict=True):
+        torch.testing.assert_close(resumed, uninterrupted, rtol=0, atol=0)
+
+
+def test_decoupled_curvature_is_computed_every_refresh_every_steps() -> None:
+    # The mean step's preconditioner is computed on the first step and every refresh_every steps, and kept in between
+    # (only its age changes); the running averages take one curvature per computation.
+    model, likelihood, alpha, beta, X, y = _decoupled_problem()
+    optimizer = MeanBasisAdam(model, refresh_every=3)
+    coefficients = model.variational_strategy.mean_basis.coefficients
+    kept = []
+    for _ in range(4):
+        _elbo_steps(model, likelihood, X, y, optimizer, 1)
+        state = optimizer.state[coefficients]
+        kept.append((int(state["age"]), int(state["step"]), state["inner_factor"]))
+    assert [(age, steps) for age, steps, _ in kept] == [(0, 1), (1, 1), (2, 1), (0, 2)]
+    assert kept[0][2] is kept[1][2] is kept[2][2] and not torch.equal(kept[3][2], kept[0][2])
+
+
+def test_decoupled_step_follows_grown_bases() -> None:
+    # Grown bases (zero coefficients, zero rows of L_B) change neither the process nor the step's running averages
+    # of the old points: the step after growth is finite and keeps the averages' leading entries.
+    model, likelihood, alpha, beta, X, y = _decoupled_problem()
+    optimizer = MeanBasisAdam(model)
+    _elbo_steps(model, likelihood, X, y, optimizer, 2)
+    strategy = model.variational_strategy
+    before = optimizer.state[strategy.mean_basis.coefficients]["residual_curvature"].clone()
+    growth = OnlineBasisGrowth(model, 20, 8, 2, optimizers=[optimizer], generator=torch.Generator().manual_seed(0))
+    growth.step(X[:10], y[:10])
+    assert strategy.mean_inducing_points.size(0) == 18 and strategy.inducing_points.size(0) == 8
+    state = optimizer.state[strategy.mean_basis.coefficients]
+    torch.testing.assert_close(state["residual_curvature"][:16], before, rtol=0, atol=0)
+    _elbo_steps(model, likelihood, X, y, optimizer, 1)
+    new_state = optimizer.state[strategy.mean_basis.coefficients]
+    assert new_state["mean_precision"].shape == (8, 8) and new_state["residual_curvature"].shape == (18,)
+    assert all(torch.isfinite(value).all() for value in _process(model))
+
+
+def test_decoupled_step_without_recorded_curvature_changes_nothing() -> None:
+    model, likelihood, alpha, beta, X, y = _decoupled_problem()
+    optimizer = MeanBasisAdam(model)
+    strategy = model.variational_strategy
+    strategy.record_curvature = False  # e.g. a forward pass before the optimizer existed
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="recorded no curvature"):
+        _elbo_steps(model, likelihood, X, y, optimizer, 1)
+    for parameter, value in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(parameter.detach(), value, rtol=0, atol=0)
+
+
+def test_decoupled_arguments_are_refused() -> None:
+    model = _decoupled_problem()[0]
+    for name, value in (("covariance_lr", 0.0), ("covariance_lr", 1.5), ("damping", 0.0), ("lr", -1.0)):
+        with pytest.raises(ValueError, match=name):
+            MeanBasisAdam(model, **{name: value})
+    optimizer = MeanBasisAdam(model)
+    assert optimizer.param_groups[0]["lr"] == 0.1 and model.variational_strategy.record_curvature

@@ -1,0 +1,213 @@
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..linalg import cholesky_solve, jittered_cholesky
+from ..variational import DecoupledCurvature, DecoupledVariationalStrategy, joint_prior
+
+
+@torch.no_grad()
+def decoupled_natural_step(
+    strategy: DecoupledVariationalStrategy,
+    curvature: DecoupledCurvature,
+    gradient: Tensor,
+    lr: float,
+    covariance_lr: float,
+    damping: float,
+    state: dict[str, Tensor],
+    refresh: bool,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    r"""
+    The new raw ``(mean_coefficients, precision_factor)`` of a decoupled strategy after one step of
+    :class:`~gpytorch_decoupled.optim.MeanBasisAdam` (:ref:`derivations-decoupled-step`), and the step's new state,
+    computed without changing anything.
+
+    From the recorded :class:`~gpytorch_decoupled.variational.DecoupledCurvature` (inputs :math:`\mathbf x`, KL weight
+    :math:`c`), the curvature of the data term in the marginal variances, :math:`\boldsymbol\Lambda =
+    \operatorname{diag}(2\,\partial\mathcal L/\partial\mathbf s)_+`, and in the marginal means,
+    :math:`\boldsymbol\Lambda_m = \boldsymbol\Lambda + \operatorname{diag}(\mathbf w_m)`; with
+    :math:`\mathbf K_\beta^{+} = \mathbf X\mathbf X^\top` (the eigenvalues below the pseudo-inverse's tolerance
+    dropped), :math:`\mathbf W = \mathbf X^\top\mathbf K_{\beta\alpha}` and :math:`\boldsymbol\Phi = \mathbf X^\top
+    \mathbf K_{\beta\mathbf x}`:
+
+    * the covariance block takes a natural-gradient step of size :math:`\rho_B` (``covariance_lr``) towards
+      :math:`\hat{\mathbf B} = \mathbf K_\beta^{+}\mathbf K_{\beta\mathbf x}\boldsymbol\Lambda
+      \mathbf K_{\mathbf x\beta}\mathbf K_\beta^{+}/c`, as a factor: :math:`\mathbf L_B \leftarrow` the triangular
+      factor of :math:`[\sqrt{1-\rho_B}\,\mathbf L_B,\ \sqrt{\rho_B/c}\,\mathbf X\boldsymbol\Phi
+      \boldsymbol\Lambda^{1/2}]` from a QR decomposition (nothing is squared);
+    * the data's curvature for the mean enters running averages at the rate :math:`\rho_B` (bias-corrected as Adam's
+      moments, zero-padded when the bases grow): :math:`\bar{\mathbf P}` of :math:`\mathbf X\boldsymbol\Phi
+      \boldsymbol\Lambda_m\boldsymbol\Phi^\top\mathbf X^\top` (a precision on :math:`\beta`, like
+      :math:`\mathbf B`) and :math:`\bar{\mathbf r}` of :math:`\operatorname{diag}(\mathbf K_{\alpha\mathbf x}
+      \boldsymbol\Lambda_m\mathbf K_{\mathbf x\alpha} - \mathbf W^\top\boldsymbol\Phi\boldsymbol\Lambda_m
+      \boldsymbol\Phi^\top\mathbf W)`, what the projection through :math:`\beta` misses on the diagonal;
+    * the mean coefficients take a damped Gauss-Newton step of size :math:`\rho` (``lr``),
+      :math:`\mathbf a \leftarrow \mathbf a - \rho\,(\tilde{\mathbf H} + \lambda\bar h\mathbf I)^{-1}
+      \nabla_{\mathbf a}\mathcal L`, with :math:`\tilde{\mathbf H} = \mathbf E_0 + \mathbf U^\top\mathbf U`,
+      :math:`\mathbf U = [\sqrt c\,\mathbf W;\ \mathbf F^\top\mathbf K_{\beta\alpha}]`, :math:`\mathbf F
+      \mathbf F^\top = \bar{\mathbf P}` and :math:`\mathbf E_0 = c\operatorname{diag}(\mathbf K_\alpha -
+      \mathbf W^\top\mathbf W) + \bar{\mathbf r}`: :math:`c\,\mathbf K_\alpha + \mathbf K_{\alpha\mathbf x}
+      \boldsymbol\Lambda_m\mathbf K_{\mathbf x\alpha}` through :math:`\beta`, its diagonal exact. :math:`\lambda`
+      is the ``damping`` and :math:`\bar h` the mean diagonal of :math:`\tilde{\mathbf H}`; the Woodbury identity
+      solves with the :math:`2M_\beta \times 2M_\beta` matrix :math:`\mathbf I + \mathbf U\mathbf E^{-1}
+      \mathbf U^\top`, :math:`\mathbf E = \mathbf E_0 + \lambda\bar h\mathbf I`.
+
+    The curvature of the mean step (the running averages, :math:`\mathbf U`, :math:`\mathbf E` and
+    the factor of the Woodbury matrix) is computed anew only when ``refresh`` is set (or the bases grew) and kept in
+    the state in between, as a preconditioner that lags the hyperparameters by a few steps; every step takes the
+    gradient and :math:`\boldsymbol\Lambda` of its own data, and the covariance step its own target.
+
+    The kernel blocks between the mean basis and :math:`[\beta; \mathbf x]` are evaluated in blocks of
+    ``kl_block_size`` mean-basis points; everything else is float64, :math:`O(M_\alpha (M_\beta + n)(M_\beta + D))`
+    time and :math:`O(M_\alpha M_\beta)` memory for :math:`n` recorded data. With ``jacobi_preconditioning`` the step is
+    the same in the strategy's :math:`\mathbf a` and :math:`\mathbf L_B`, mapped to and from the raw parameters.
+
+    :param strategy: The decoupled strategy.
+    :param curvature: Its recorded curvature.
+    :param gradient: :math:`\nabla\mathcal L` of the raw ``mean_coefficients``.
+    :param lr: :math:`\rho`.
+    :param covariance_lr: :math:`\rho_B \in (0, 1]`.
+    :param damping: :math:`\lambda > 0`.
+    :param state: The previous step's state (empty at the first): ``step`` (curvatures averaged), ``mean_precision``
+        (:math:`\bar{\mathbf P}`) and ``residual_curvature`` (:math:`\bar{\mathbf r}`), not bias-corrected, ``age``
+        (steps since the curvature was computed) and the kept preconditioner.
+    :param refresh: Compute the mean step's curvature from this step's data.
+    :return: The new raw ``mean_coefficients`` and ``precision_factor``, in their dtypes, and the new state.
+    """
+    distribution = strategy._variational_distribution
+    coefficients, factor = distribution.mean_coefficients, distribution.precision_factor
+    f64 = torch.float64
+    inputs = curvature.inputs
+    prior = joint_prior(strategy.model, strategy.inducing_points, inputs)
+    weight = curvature.kl_weight.to(f64)[..., None, None]
+    data_weights = curvature.variance_weights.to(f64).clamp_min(0)  # Lambda
+    beta_covariance = prior.dense(0, 0).to(f64)
+    # The whitener follows the covariance basis every step: the covariance step's target needs the current one.
+    whitener = _pseudo_inverse_root(beta_covariance, torch.finfo(coefficients.dtype).eps)  # X
+    data_projection = whitener.mT @ prior.dense(0, 1).to(f64)  # Phi, (..., rank, n)
+    if refresh or not _fits(state, coefficients, factor):
+        state = _preconditioner(strategy, curvature, whitener, data_projection, covariance_lr, damping, state)
+    else:
+        state = {**state, "age": state["age"] + 1}
+    diagonal, rows = state["diagonal"], state["rows"]
+    alpha_variances, beta_variances = state["alpha_variances"], beta_covariance.diagonal(dim1=-2, dim2=-1)
+
+    a, gradient, L_B = coefficients.to(f64), gradient.to(f64), factor.to(f64).tril()
+    if strategy.jacobi_preconditioning:  # a = a_0 / diag(K_alpha), L_B = L_0 / diag(K_beta) (row scaling)
+        a, gradient, L_B = a / alpha_variances, gradient * alpha_variances, L_B / beta_variances.unsqueeze(-1)
+    direction = gradient / diagonal
+    correction = (rows / diagonal.unsqueeze(-2)).mT @ cholesky_solve(
+        state["inner_factor"], rows @ direction.unsqueeze(-1)
+    )
+    new_a = a - lr * (direction - correction.squeeze(-1))
+
+    target_root = whitener @ (data_projection * (data_weights / weight[..., 0]).sqrt().unsqueeze(-2))
+    stacked = torch.cat([(1 - covariance_lr) ** 0.5 * L_B, covariance_lr**0.5 * target_root], dim=-1)
+    new_factor = torch.linalg.qr(stacked.mT, mode="r")[1].mT
+    if strategy.jacobi_preconditioning:
+        new_a, new_factor = new_a * alpha_variances, new_factor * beta_variances.unsqueeze(-1)
+    return new_a.to(coefficients.dtype), new_factor.to(factor.dtype), state
+
+
+def _fits(state: dict[str, Tensor], coefficients: Tensor, factor: Tensor) -> bool:
+    """Whether a kept preconditioner is there and has the bases' sizes (they grow)."""
+    return (
+        "rows" in state
+        and state["diagonal"].shape[-1] == coefficients.size(-1)
+        and (state["mean_precision"].shape[-1] == factor.size(-1))
+    )
+
+
+def _preconditioner(
+    strategy: DecoupledVariationalStrategy,
+    curvature: DecoupledCurvature,
+    whitener: Tensor,
+    data_projection: Tensor,
+    covariance_lr: float,
+    damping: float,
+    state: dict[str, Tensor],
+) -> dict[str, Tensor]:
+    r"""A new preconditioner of the mean step from this step's curvature (the running averages updated), as the
+    step's new state: the prior variances of the mean basis, :math:`\mathbf U`,
+    :math:`\mathbf E` and the Cholesky factor of :math:`\mathbf I + \mathbf U\mathbf E^{-1}\mathbf U^\top`."""
+    f64 = torch.float64
+    weight = curvature.kl_weight.to(f64)[..., None, None]
+    mean_weights = curvature.variance_weights.to(f64).clamp_min(0) + curvature.mean_weights.to(f64)  # Lambda_m
+    projection, beta_alpha, alpha_variances, data_residual = _mean_basis_blocks(
+        strategy, curvature.inputs, whitener, data_projection, mean_weights
+    )
+    # Running averages of the data's curvature for the mean, at the covariance's rate (bias-corrected as Adam's
+    # moments): in the covariance basis, as a precision like B, and on the diagonal of the mean basis.
+    precision_target = whitener @ ((data_projection * mean_weights.unsqueeze(-2)) @ data_projection.mT) @ whitener.mT
+    steps = state.get("step", torch.zeros((), dtype=f64)).to(f64) + 1
+    mean_precision = torch.lerp(_padded(state.get("mean_precision"), precision_target), precision_target, covariance_lr)
+    residual_curvature = torch.lerp(
+        _padded(state.get("residual_curvature"), data_residual), data_residual, covariance_lr
+    )
+    bias = 1 - (1 - covariance_lr) ** steps
+    data_root = _positive_root(mean_precision / bias)  # F, F F^T = the averaged precision
+    rows = torch.cat([weight.sqrt() * projection, data_root.mT @ beta_alpha], dim=-2)  # U
+    exact_diagonal = (
+        weight[..., 0] * (alpha_variances - projection.pow(2).sum(-2)) + residual_curvature / bias
+    ).clamp_min(0)
+    diagonal = exact_diagonal + damping * (exact_diagonal + rows.pow(2).sum(-2)).mean(-1, keepdim=True)  # E
+    inner = (rows / diagonal.unsqueeze(-2)) @ rows.mT
+    inner = inner + torch.eye(inner.size(-1), dtype=f64, device=inner.device)
+    return {
+        "step": steps,
+        "mean_precision": mean_precision,
+        "residual_curvature": residual_curvature,
+        "age": torch.zeros((), dtype=f64),
+        "alpha_variances": alpha_variances,
+        "rows": rows,
+        "diagonal": diagonal,
+        "inner_factor": jittered_cholesky(inner, name="MeanBasisAdam I + U E^-1 U^T"),
+    }
+
+
+def _padded(previous: Tensor | None, like: Tensor) -> Tensor:
+    """A running average's previous value, zero-padded to the shape of this step's (bases grow), or zeros."""
+    padded = torch.zeros_like(like)
+    if previous is not None:
+        padded[tuple(slice(0, size) for size in previous.shape)] = previous.to(like)
+    return padded
+
+
+def _mean_basis_blocks(
+    strategy: DecoupledVariationalStrategy, inputs: Tensor, whitener: Tensor, data_projection: Tensor, weights: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    r""":math:`\mathbf W = \mathbf X^\top\mathbf K_{\beta\alpha}`, :math:`\mathbf K_{\beta\alpha}`,
+    :math:`\operatorname{diag}(\mathbf K_\alpha)` and
+    :math:`\operatorname{diag}(\mathbf K_{\alpha\mathbf x}\boldsymbol\Lambda_m\mathbf K_{\mathbf x\alpha} -
+    \mathbf W^\top\boldsymbol\Phi\boldsymbol\Lambda_m\boldsymbol\Phi^\top\mathbf W)`, from one evaluation of the prior
+    at :math:`[\beta; \mathbf x; \alpha_{\rm block}]` per block of mean-basis points."""
+    mean_points = strategy.mean_inducing_points
+    block_size = strategy.mean_basis.kl_block_size
+    blocks = []
+    for start in range(0, mean_points.size(-2), block_size):
+        prior = joint_prior(strategy.model, strategy.inducing_points, inputs, mean_points[start : start + block_size])
+        beta_alpha = prior.dense(0, 2).to(whitener.dtype)
+        projection = whitener.mT @ beta_alpha
+        projected_data = projection.mT @ data_projection
+        cross = prior.dense(2, 1).to(whitener.dtype)
+        residual = ((cross.pow(2) - projected_data.pow(2)) * weights.unsqueeze(-2)).sum(-1)
+        blocks.append((projection, beta_alpha, prior.diagonal(2).to(whitener.dtype), residual))
+    return tuple(torch.cat(parts, dim=-1) for parts in zip(*blocks, strict=True))
+
+
+def _pseudo_inverse_root(matrix: Tensor, eps: float) -> Tensor:
+    r""":math:`\mathbf X = \mathbf U\boldsymbol\Lambda_+^{-1/2}`, with :math:`\mathbf U\boldsymbol\Lambda
+    \mathbf U^\top` the eigendecomposition of a PSD matrix and the eigenvalues below the pseudo-inverse's tolerance
+    (``eps`` times the size times the largest eigenvalue) dropped, so that :math:`\mathbf A^+ = \mathbf X
+    \mathbf X^\top`."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
+    tolerance = eps * matrix.size(-1) * eigenvalues.amax(-1, keepdim=True)
+    kept = eigenvalues > tolerance
+    return eigenvectors * torch.where(kept, eigenvalues.clamp_min(tolerance).rsqrt(), 0).unsqueeze(-2)
+
+
+def _positive_root(matrix: Tensor) -> Tensor:
+    r""":math:`\mathbf F` with :math:`\mathbf F\mathbf F^\top` the positive part of a symmetric matrix."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
+    return eigenvectors * eigenvalues.clamp_min(0).sqrt().unsqueeze(-2)
