@@ -630,7 +630,9 @@ class RecursiveGradientPropagation:
         ]
         scale = max(float(tensor.abs().max()) for pair in pairs for tensor in pair)
         error = max(float((a - b).abs().max()) for a, b in pairs)
-        if error <= torch.finfo(cross.dtype).eps ** 0.5 * scale:
+        # A cube root of the working precision: float32 rounding through GPyTorch's distances reaches 5e-4 relative
+        # (the demo's model), a model that transforms its inputs differs at order one.
+        if error <= torch.finfo(cross.dtype).eps ** (1 / 3) * scale:
             self._closed_form_verified = True
             return closed_form
         warnings.warn(

@@ -267,22 +267,28 @@ def test_decoupled_curvature_is_computed_every_refresh_every_steps() -> None:
     assert kept[0][2] is kept[1][2] is kept[2][2] and not torch.equal(kept[3][2], kept[0][2])
 
 
-def test_decoupled_step_follows_grown_bases() -> None:
+@pytest.mark.parametrize("max_beta", [6, 8])
+def test_decoupled_step_follows_grown_bases(max_beta: int) -> None:
     # Grown bases (zero coefficients, zero rows of L_B) change neither the process nor the step's running averages
-    # of the old points: the step after growth is finite and keeps the averages' leading entries.
+    # of the old points: the step after growth is finite and keeps the averages' leading entries. The kept
+    # preconditioner (age 1 here, of a refresh every 10 steps) is computed anew for the new sizes, also when only the
+    # mean basis grows (max_beta=6: the covariance basis is full).
     model, likelihood, alpha, beta, X, y = _decoupled_problem()
     optimizer = MeanBasisAdam(model)
     _elbo_steps(model, likelihood, X, y, optimizer, 2)
     strategy = model.variational_strategy
     before = optimizer.state[strategy.mean_basis.coefficients]["residual_curvature"].clone()
-    growth = OnlineBasisGrowth(model, 20, 8, 2, optimizers=[optimizer], generator=torch.Generator().manual_seed(0))
+    growth = OnlineBasisGrowth(
+        model, 20, max_beta, 2, optimizers=[optimizer], generator=torch.Generator().manual_seed(0)
+    )
     growth.step(X[:10], y[:10])
-    assert strategy.mean_inducing_points.size(0) == 18 and strategy.inducing_points.size(0) == 8
+    assert strategy.mean_inducing_points.size(0) == 18 and strategy.inducing_points.size(0) == max_beta
     state = optimizer.state[strategy.mean_basis.coefficients]
     torch.testing.assert_close(state["residual_curvature"][:16], before, rtol=0, atol=0)
     _elbo_steps(model, likelihood, X, y, optimizer, 1)
     new_state = optimizer.state[strategy.mean_basis.coefficients]
-    assert new_state["mean_precision"].shape == (8, 8) and new_state["residual_curvature"].shape == (18,)
+    assert new_state["mean_precision"].shape == (max_beta, max_beta) and new_state["residual_curvature"].shape == (18,)
+    assert int(new_state["age"]) == 0 and new_state["rows"].shape == (2 * max_beta, 18)
     assert all(torch.isfinite(value).all() for value in _process(model))
 
 
