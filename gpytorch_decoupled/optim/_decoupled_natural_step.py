@@ -16,7 +16,6 @@ def decoupled_natural_step(
     covariance_lr: float,
     damping: float,
     state: dict[str, Tensor],
-    refresh: bool,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     r"""
     The new raw ``(mean_coefficients, precision_factor)`` of a decoupled strategy after one step of
@@ -53,11 +52,6 @@ def decoupled_natural_step(
       solves with the :math:`2M_\beta \times 2M_\beta` matrix :math:`\mathbf I + \mathbf U\mathbf E^{-1}
       \mathbf U^\top`, :math:`\mathbf E = \mathbf E_0 + \lambda\bar h\mathbf I`.
 
-    The curvature of the mean step (the running averages, :math:`\mathbf U`, :math:`\mathbf E` and
-    the factor of the Woodbury matrix) is computed anew only when ``refresh`` is set (or the bases grew) and kept in
-    the state in between, as a preconditioner that lags the hyperparameters by a few steps; every step takes the
-    gradient and :math:`\boldsymbol\Lambda` of its own data, and the covariance step its own target.
-
     The kernel blocks between the mean basis and :math:`[\beta; \mathbf x]` are evaluated in blocks of
     ``kl_block_size`` mean-basis points; everything else is float64, :math:`O(M_\alpha (M_\beta + n)(M_\beta + D))`
     time and :math:`O(M_\alpha M_\beta)` memory for :math:`n` recorded data. With ``jacobi_preconditioning`` the step is
@@ -69,37 +63,54 @@ def decoupled_natural_step(
     :param lr: :math:`\rho`.
     :param covariance_lr: :math:`\rho_B \in (0, 1]`.
     :param damping: :math:`\lambda > 0`.
-    :param state: The previous step's state (empty at the first): ``step`` (curvatures averaged), ``mean_precision``
-        (:math:`\bar{\mathbf P}`) and ``residual_curvature`` (:math:`\bar{\mathbf r}`), not bias-corrected, ``age``
-        (steps since the curvature was computed) and the kept preconditioner.
-    :param refresh: Compute the mean step's curvature from this step's data.
+    :param state: The previous step's state (empty at the first): ``step``, ``mean_precision``
+        (:math:`\bar{\mathbf P}`) and ``residual_curvature`` (:math:`\bar{\mathbf r}`), not bias-corrected.
     :return: The new raw ``mean_coefficients`` and ``precision_factor``, in their dtypes, and the new state.
     """
     distribution = strategy._variational_distribution
     coefficients, factor = distribution.mean_coefficients, distribution.precision_factor
     f64 = torch.float64
-    inputs = curvature.inputs
-    prior = joint_prior(strategy.model, strategy.inducing_points, inputs)
+    beta, inputs = strategy.inducing_points, curvature.inputs
+    prior = joint_prior(strategy.model, beta, inputs)
+    beta_covariance = prior.dense(0, 0).to(f64)
+    beta_variances = beta_covariance.diagonal(dim1=-2, dim2=-1)
     weight = curvature.kl_weight.to(f64)[..., None, None]
     data_weights = curvature.variance_weights.to(f64).clamp_min(0)  # Lambda
-    beta_covariance = prior.dense(0, 0).to(f64)
-    # The whitener follows the covariance basis every step: the covariance step's target needs the current one.
+    mean_weights = data_weights + curvature.mean_weights.to(f64)  # Lambda_m
     whitener = _pseudo_inverse_root(beta_covariance, torch.finfo(coefficients.dtype).eps)  # X
-    data_projection = whitener.mT @ prior.dense(0, 1).to(f64)  # Phi, (..., rank, n)
-    if refresh or not _fits(state, coefficients, factor):
-        state = _preconditioner(strategy, curvature, whitener, data_projection, covariance_lr, damping, state)
-    else:
-        state = {**state, "age": state["age"] + 1}
-    diagonal, rows = state["diagonal"], state["rows"]
-    alpha_variances, beta_variances = state["alpha_variances"], beta_covariance.diagonal(dim1=-2, dim2=-1)
+    data_projection = whitener.mT @ prior.dense(0, 1).to(f64)  # Phi, (..., M_beta, n)
+    projection, beta_alpha, alpha_variances, data_residual = _mean_basis_blocks(
+        strategy, inputs, whitener, data_projection, mean_weights
+    )
+    # Running averages of the data's curvature for the mean, at the covariance's rate (bias-corrected as Adam's
+    # moments): in the covariance basis, as a precision like B, and on the diagonal of the mean basis.
+    precision_target = whitener @ ((data_projection * mean_weights.unsqueeze(-2)) @ data_projection.mT) @ whitener.mT
+    steps = state.get("step", torch.zeros((), dtype=f64)).to(f64) + 1
+    new_state = {
+        "step": steps,
+        "mean_precision": torch.lerp(
+            _padded(state.get("mean_precision"), precision_target), precision_target, covariance_lr
+        ),
+        "residual_curvature": torch.lerp(
+            _padded(state.get("residual_curvature"), data_residual), data_residual, covariance_lr
+        ),
+    }
+    bias = 1 - (1 - covariance_lr) ** steps
+    data_root = _positive_root(new_state["mean_precision"] / bias)  # F, F F^T = the averaged precision
+    data_residual = new_state["residual_curvature"] / bias
 
     a, gradient, L_B = coefficients.to(f64), gradient.to(f64), factor.to(f64).tril()
     if strategy.jacobi_preconditioning:  # a = a_0 / diag(K_alpha), L_B = L_0 / diag(K_beta) (row scaling)
         a, gradient, L_B = a / alpha_variances, gradient * alpha_variances, L_B / beta_variances.unsqueeze(-1)
+    rows = torch.cat([weight.sqrt() * projection, data_root.mT @ beta_alpha], dim=-2)  # U
+    exact_diagonal = (weight[..., 0] * (alpha_variances - projection.pow(2).sum(-2)) + data_residual).clamp_min(0)
+    diagonal = exact_diagonal + damping * (exact_diagonal + rows.pow(2).sum(-2)).mean(-1, keepdim=True)  # E
+    scaled_rows = rows / diagonal.unsqueeze(-2)
+    inner = scaled_rows @ rows.mT
+    inner = inner + torch.eye(inner.size(-1), dtype=f64, device=inner.device)
+    inner_factor = jittered_cholesky(inner, name="MeanBasisAdam I + U E^-1 U^T")
     direction = gradient / diagonal
-    correction = (rows / diagonal.unsqueeze(-2)).mT @ cholesky_solve(
-        state["inner_factor"], rows @ direction.unsqueeze(-1)
-    )
+    correction = scaled_rows.mT @ cholesky_solve(inner_factor, rows @ direction.unsqueeze(-1))
     new_a = a - lr * (direction - correction.squeeze(-1))
 
     target_root = whitener @ (data_projection * (data_weights / weight[..., 0]).sqrt().unsqueeze(-2))
@@ -107,60 +118,7 @@ def decoupled_natural_step(
     new_factor = torch.linalg.qr(stacked.mT, mode="r")[1].mT
     if strategy.jacobi_preconditioning:
         new_a, new_factor = new_a * alpha_variances, new_factor * beta_variances.unsqueeze(-1)
-    return new_a.to(coefficients.dtype), new_factor.to(factor.dtype), state
-
-
-def _fits(state: dict[str, Tensor], coefficients: Tensor, factor: Tensor) -> bool:
-    """Whether a kept preconditioner is there and has the bases' sizes (they grow)."""
-    # The rows: state of the coefficients' shape is zero-padded when the bases grow, and would pass.
-    return "rows" in state and state["rows"].shape[-2:] == (2 * factor.size(-1), coefficients.size(-1))
-
-
-def _preconditioner(
-    strategy: DecoupledVariationalStrategy,
-    curvature: DecoupledCurvature,
-    whitener: Tensor,
-    data_projection: Tensor,
-    covariance_lr: float,
-    damping: float,
-    state: dict[str, Tensor],
-) -> dict[str, Tensor]:
-    r"""A new preconditioner of the mean step from this step's curvature (the running averages updated), as the
-    step's new state: the prior variances of the mean basis, :math:`\mathbf U`,
-    :math:`\mathbf E` and the Cholesky factor of :math:`\mathbf I + \mathbf U\mathbf E^{-1}\mathbf U^\top`."""
-    f64 = torch.float64
-    weight = curvature.kl_weight.to(f64)[..., None, None]
-    mean_weights = curvature.variance_weights.to(f64).clamp_min(0) + curvature.mean_weights.to(f64)  # Lambda_m
-    projection, beta_alpha, alpha_variances, data_residual = _mean_basis_blocks(
-        strategy, curvature.inputs, whitener, data_projection, mean_weights
-    )
-    # Running averages of the data's curvature for the mean, at the covariance's rate (bias-corrected as Adam's
-    # moments): in the covariance basis, as a precision like B, and on the diagonal of the mean basis.
-    precision_target = whitener @ ((data_projection * mean_weights.unsqueeze(-2)) @ data_projection.mT) @ whitener.mT
-    steps = state.get("step", torch.zeros((), dtype=f64)).to(f64) + 1
-    mean_precision = torch.lerp(_padded(state.get("mean_precision"), precision_target), precision_target, covariance_lr)
-    residual_curvature = torch.lerp(
-        _padded(state.get("residual_curvature"), data_residual), data_residual, covariance_lr
-    )
-    bias = 1 - (1 - covariance_lr) ** steps
-    data_root = _positive_root(mean_precision / bias)  # F, F F^T = the averaged precision
-    rows = torch.cat([weight.sqrt() * projection, data_root.mT @ beta_alpha], dim=-2)  # U
-    exact_diagonal = (
-        weight[..., 0] * (alpha_variances - projection.pow(2).sum(-2)) + residual_curvature / bias
-    ).clamp_min(0)
-    diagonal = exact_diagonal + damping * (exact_diagonal + rows.pow(2).sum(-2)).mean(-1, keepdim=True)  # E
-    inner = (rows / diagonal.unsqueeze(-2)) @ rows.mT
-    inner = inner + torch.eye(inner.size(-1), dtype=f64, device=inner.device)
-    return {
-        "step": steps,
-        "mean_precision": mean_precision,
-        "residual_curvature": residual_curvature,
-        "age": torch.zeros((), dtype=f64),
-        "alpha_variances": alpha_variances,
-        "rows": rows,
-        "diagonal": diagonal,
-        "inner_factor": jittered_cholesky(inner, name="MeanBasisAdam I + U E^-1 U^T"),
-    }
+    return new_a.to(coefficients.dtype), new_factor.to(factor.dtype), new_state
 
 
 def _padded(previous: Tensor | None, like: Tensor) -> Tensor:

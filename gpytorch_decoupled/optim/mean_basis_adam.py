@@ -8,18 +8,8 @@ from ._decoupled_natural_step import decoupled_natural_step
 
 #: The default ``lr``: Adam's rate in function space, and the decoupled strategy's Gauss-Newton step size.
 ADAM_LR, NATURAL_LR = 0.5, 0.1
-#: The decoupled step's state (running averages of the data's curvature and the kept preconditioner), beside a
-#: coefficient parameter.
-NATURAL_STATE = (
-    "step",
-    "mean_precision",
-    "residual_curvature",
-    "age",
-    "alpha_variances",
-    "rows",
-    "diagonal",
-    "inner_factor",
-)
+#: The decoupled step's state (running averages of the data's curvature), beside a coefficient parameter.
+NATURAL_STATE = ("step", "mean_precision", "residual_curvature")
 
 
 class MeanBasisAdam(torch.optim.Adam):
@@ -85,8 +75,7 @@ class MeanBasisAdam(torch.optim.Adam):
     :param eps: Adam's :math:`\epsilon`.
     :param num_samples: Basis points per subset of the degree estimate.
     :param smoothing: Weight of the previous estimate in the moving average.
-    :param refresh_every: Steps per estimate of the scale, or of the decoupled strategy's curvature for its mean step
-        (1: every step).
+    :param refresh_every: Steps per estimate of the scale (1: every step).
     :param generator: Random generator for the subsets (default: PyTorch's global one).
     :param covariance_lr: The decoupled strategy's natural-gradient step size on :math:`\mathbf B`, in
         :math:`(0, 1]` (1 sets :math:`\mathbf B` to its target), and the rate of its running averages.
@@ -255,9 +244,8 @@ class MeanBasisAdam(torch.optim.Adam):
                 "gradients must reach both the data terms and the KL before step()); nothing was changed."
             )
         state = {key: value for key, value in self.state[group["params"][0]].items() if key in NATURAL_STATE}
-        refresh = "age" not in state or state["age"] + 1 >= self.refresh_every
         values = decoupled_natural_step(
-            strategy, curvature, gradient, group["lr"], group["covariance_lr"], group["damping"], state, refresh
+            strategy, curvature, gradient, group["lr"], group["covariance_lr"], group["damping"], state
         )
         if not all(torch.isfinite(value).all() for value in values[:2]):
             raise RuntimeError("MeanBasisAdam: the decoupled strategy's step is not finite; nothing was changed.")
