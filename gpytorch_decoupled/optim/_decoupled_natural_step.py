@@ -3,8 +3,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..linalg import cholesky_solve, jittered_cholesky
+from ..linalg import cholesky_solve, jittered_cholesky, weighted_gram
 from ..variational import DecoupledCurvature, DecoupledVariationalStrategy, joint_prior
+from .online_basis_growth import zero_padded
 
 
 @torch.no_grad()
@@ -84,7 +85,7 @@ def decoupled_natural_step(
     )
     # Running averages of the data's curvature for the mean, at the covariance's rate (bias-corrected as Adam's
     # moments): in the covariance basis, as a precision like B, and on the diagonal of the mean basis.
-    precision_target = whitener @ ((data_projection * mean_weights.unsqueeze(-2)) @ data_projection.mT) @ whitener.mT
+    precision_target = whitener @ weighted_gram(data_projection, mean_weights) @ whitener.mT
     steps = state.get("step", torch.zeros((), dtype=f64)).to(f64) + 1
     new_state = {
         "step": steps,
@@ -123,10 +124,7 @@ def decoupled_natural_step(
 
 def _padded(previous: Tensor | None, like: Tensor) -> Tensor:
     """A running average's previous value, zero-padded to the shape of this step's (bases grow), or zeros."""
-    padded = torch.zeros_like(like)
-    if previous is not None:
-        padded[tuple(slice(0, size) for size in previous.shape)] = previous.to(like)
-    return padded
+    return torch.zeros_like(like) if previous is None else zero_padded(previous.to(like), like.shape)
 
 
 def _mean_basis_blocks(

@@ -226,7 +226,13 @@ def _swap_parameters(optimizer: torch.optim.Optimizer, replaced: dict[Tensor, to
         state = optimizer.state.pop(old)
         for key, value in state.items():
             if torch.is_tensor(value) and value.shape == old.shape:
-                padded = value.new_zeros(new.shape)
-                padded[tuple(slice(0, size) for size in old.shape)] = value
-                state[key] = padded
+                state[key] = zero_padded(value, new.shape)
         optimizer.state[new] = state
+
+
+def zero_padded(value: Tensor, shape: torch.Size) -> Tensor:
+    """``value`` in the leading entries of zeros of ``shape`` (at least ``value``'s size in every dimension): state
+    that follows a grown basis."""
+    padded = value.new_zeros(shape)
+    padded[tuple(slice(0, size) for size in value.shape)] = value
+    return padded
