@@ -178,8 +178,8 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
         https://arxiv.org/abs/2111.03412
     """
 
-    _step_attributes = ("_eval_posterior_factors",)
-    _eval_posterior_factors: tuple[Tensor, Tensor, Tensor] | None = None
+    _step_attributes = ("_kept_posterior_factors",)
+    _kept_posterior_factors: tuple[Tensor, Tensor, Tensor] | None = None
     _likelihood: GaussianLikelihood | None = None
 
     def __init__(
@@ -623,12 +623,19 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
 
     def _posterior_factors(self, inducing_covariance: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         r"""Float64 :math:`\mathbf L_{\mathbf{uu}}`, :math:`\mathbf L_A` (:math:`\mathbf A = \mathbf K_{\mathbf{uu}} +
-        \tilde{\boldsymbol\Lambda}`) and :math:`\mathbf A^{-1}\tilde{\boldsymbol\eta}`; kept in eval mode
-        (``_eval_posterior_factors``). In training with gradients, the statistics are those of the absorbed data held
-        fixed as sites in u-space (``held_in_u_space``: the same values, other gradients)."""
-        factors = self._eval_posterior_factors
-        # Inputs with extra batch dimensions give expanded factors: those are not reused for other shapes.
-        if not self.training and factors is not None and factors[0].shape == inducing_covariance.shape:
+        \tilde{\boldsymbol\Lambda}`) and :math:`\mathbf A^{-1}\tilde{\boldsymbol\eta}`; kept
+        (``_kept_posterior_factors``) across predictions in eval mode and, in training, from the forward pass to the
+        KL of the same step (one factorization and one ``held_in_u_space`` per step). In training with gradients, the
+        statistics are those of the absorbed data held fixed as sites in u-space (``held_in_u_space``: the same values,
+        other gradients)."""
+        factors = self._kept_posterior_factors
+        # Inputs with extra batch dimensions give expanded factors: those are not reused for other shapes. Factors
+        # computed without gradients do not serve a computation with gradients (nor the other way round).
+        if (
+            factors is not None
+            and factors[0].shape == inducing_covariance.shape
+            and factors[0].requires_grad == inducing_covariance.requires_grad
+        ):
             return factors
         information_vector, information_matrix = self.statistics
         prior_cholesky = jittered_cholesky(inducing_covariance, name="K_uu")
@@ -638,10 +645,8 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
             )
         cholesky = jittered_cholesky(inducing_covariance + information_matrix, name="Kalman precision K_uu + Lambda")
         coefficients = cholesky_solve(cholesky, information_vector.unsqueeze(-1)).squeeze(-1)
-        factors = (prior_cholesky, cholesky, coefficients)
-        if not self.training:
-            self._eval_posterior_factors = factors
-        return factors
+        self._kept_posterior_factors = (prior_cholesky, cholesky, coefficients)
+        return self._kept_posterior_factors
 
     # ------------------------------------------------------------------ GPyTorch interface
     @property

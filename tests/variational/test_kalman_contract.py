@@ -280,7 +280,7 @@ def test_eval_caches_follow_updates_resets_and_loads():
     model, _, X, y, blocks = _half_streamed()
     strategy = model.variational_strategy
     first = _predict(model)
-    assert strategy._eval_posterior_factors is not None
+    assert strategy._kept_posterior_factors is not None
     with unittest.mock.patch.object(kalman_module, "jittered_cholesky", wraps=kalman_module.jittered_cholesky) as chol:
         assert all(torch.equal(a, b) for a, b in zip(_predict(model), first, strict=True))
         assert chol.call_count == 0  # the cached factors were reused
