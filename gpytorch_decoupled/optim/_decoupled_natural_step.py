@@ -45,12 +45,14 @@ def decoupled_natural_step(
     * the mean coefficients take a damped Gauss-Newton step of size :math:`\rho` (``lr``),
       :math:`\mathbf a \leftarrow \mathbf a - \rho\,(\tilde{\mathbf H} + \lambda\bar h\mathbf I)^{-1}
       \nabla_{\mathbf a}\mathcal L`, with :math:`\tilde{\mathbf H} = \mathbf E_0 + \mathbf U^\top\mathbf U`,
-      :math:`\mathbf U = [\sqrt c\,\mathbf W;\ \mathbf F^\top\mathbf K_{\beta\alpha}]`, :math:`\mathbf F
+      :math:`\mathbf U = \mathbf R^\top\mathbf K_{\beta\alpha}`, :math:`\mathbf R\mathbf R^\top = c\,
+      \mathbf X\mathbf X^\top + \mathbf F\mathbf F^\top` (:math:`\mathbf R^\top` the triangular factor of
+      :math:`[\sqrt c\,\mathbf X,\ \mathbf F]^\top` from a QR decomposition), :math:`\mathbf F
       \mathbf F^\top = \bar{\mathbf P}` and :math:`\mathbf E_0 = c\operatorname{diag}(\mathbf K_\alpha -
       \mathbf W^\top\mathbf W) + \bar{\mathbf r}`: :math:`c\,\mathbf K_\alpha + \mathbf K_{\alpha\mathbf x}
       \boldsymbol\Lambda_m\mathbf K_{\mathbf x\alpha}` through :math:`\beta`, its diagonal exact. :math:`\lambda`
       is the ``damping`` and :math:`\bar h` the mean diagonal of :math:`\tilde{\mathbf H}`; the Woodbury identity
-      solves with the :math:`2M_\beta \times 2M_\beta` matrix :math:`\mathbf I + \mathbf U\mathbf E^{-1}
+      solves with the :math:`M_\beta \times M_\beta` matrix :math:`\mathbf I + \mathbf U\mathbf E^{-1}
       \mathbf U^\top`, :math:`\mathbf E = \mathbf E_0 + \lambda\bar h\mathbf I`.
 
     The kernel blocks between the mean basis and :math:`[\beta; \mathbf x]` are evaluated in blocks of
@@ -103,7 +105,10 @@ def decoupled_natural_step(
     a, gradient, L_B = coefficients.to(f64), gradient.to(f64), factor.to(f64).tril()
     if strategy.jacobi_preconditioning:  # a = a_0 / diag(K_alpha), L_B = L_0 / diag(K_beta) (row scaling)
         a, gradient, L_B = a / alpha_variances, gradient * alpha_variances, L_B / beta_variances.unsqueeze(-1)
-    rows = torch.cat([weight.sqrt() * projection, data_root.mT @ beta_alpha], dim=-2)  # U
+    # U^T U = K_ab (c X X^T + F F^T) K_ba = K_ab R R^T K_ba: M_beta rows, with R the triangular factor of
+    # [sqrt(c) X, F] from a QR decomposition (nothing squared).
+    roots = torch.cat([weight.sqrt() * whitener, data_root], dim=-1)
+    rows = torch.linalg.qr(roots.mT, mode="r")[1] @ beta_alpha  # U = R^T K_ba
     exact_diagonal = (weight[..., 0] * (alpha_variances - projection.pow(2).sum(-2)) + data_residual).clamp_min(0)
     diagonal = exact_diagonal + damping * (exact_diagonal + rows.pow(2).sum(-2)).mean(-1, keepdim=True)  # E
     scaled_rows = rows / diagonal.unsqueeze(-2)
