@@ -45,10 +45,9 @@ def decoupled_natural_step(
     * the mean coefficients take a damped Gauss-Newton step of size :math:`\rho` (``lr``),
       :math:`\mathbf a \leftarrow \mathbf a - \rho\,(\tilde{\mathbf H} + \lambda\bar h\mathbf I)^{-1}
       \nabla_{\mathbf a}\mathcal L`, with :math:`\tilde{\mathbf H} = \mathbf E_0 + \mathbf U^\top\mathbf U`,
-      :math:`\mathbf U = \mathbf R^\top\mathbf K_{\beta\alpha}`, :math:`\mathbf R\mathbf R^\top = c\,
-      \mathbf X\mathbf X^\top + \mathbf F\mathbf F^\top` (:math:`\mathbf R^\top` the triangular factor of
-      :math:`[\sqrt c\,\mathbf X,\ \mathbf F]^\top` from a QR decomposition), :math:`\mathbf F
-      \mathbf F^\top = \bar{\mathbf P}` and :math:`\mathbf E_0 = c\operatorname{diag}(\mathbf K_\alpha -
+      :math:`\mathbf U = \mathbf R^\top\mathbf K_{\beta\alpha}`, :math:`\mathbf R` the Cholesky factor of
+      :math:`c\,\mathbf X\mathbf X^\top + \bar{\mathbf P}` (its positive part's root from an eigendecomposition
+      where rounding makes that fail), and :math:`\mathbf E_0 = c\operatorname{diag}(\mathbf K_\alpha -
       \mathbf W^\top\mathbf W) + \bar{\mathbf r}`: :math:`c\,\mathbf K_\alpha + \mathbf K_{\alpha\mathbf x}
       \boldsymbol\Lambda_m\mathbf K_{\mathbf x\alpha}` through :math:`\beta`, its diagonal exact. :math:`\lambda`
       is the ``damping`` and :math:`\bar h` the mean diagonal of :math:`\tilde{\mathbf H}`; the Woodbury identity
@@ -56,9 +55,15 @@ def decoupled_natural_step(
       \mathbf U^\top`, :math:`\mathbf E = \mathbf E_0 + \lambda\bar h\mathbf I`.
 
     The kernel blocks between the mean basis and :math:`[\beta; \mathbf x]` are evaluated in blocks of
-    ``kl_block_size`` mean-basis points; everything else is float64, :math:`O(M_\alpha (M_\beta + n)(M_\beta + D))`
-    time and :math:`O(M_\alpha M_\beta)` memory for :math:`n` recorded data. With ``jacobi_preconditioning`` the step is
-    the same in the strategy's :math:`\mathbf a` and :math:`\mathbf L_B`, mapped to and from the raw parameters.
+    ``kl_block_size`` mean-basis points; everything else is float64, :math:`O(M_\alpha (M_\beta^2 + n D))` time
+    (three :math:`M_\beta \times M_\beta` by :math:`M_\beta \times M_\alpha` products; the diagonal's projected
+    part is :math:`\operatorname{diag}(\mathbf K_{\alpha\beta}\mathbf P\mathbf K_{\beta\alpha})` with
+    :math:`\mathbf P = \mathbf X\boldsymbol\Phi\boldsymbol\Lambda_m\boldsymbol\Phi^\top\mathbf X^\top`)
+    and :math:`O(M_\alpha M_\beta)` memory for :math:`n` recorded data. :math:`\mathbf X` is :math:`\mathbf
+    L^{-\top}` (:math:`\mathbf L` the Cholesky factor of :math:`\mathbf K_\beta`) where that provably drops no
+    eigenvalue, the eigendecomposition's root otherwise; the step does not depend on which. With
+    ``jacobi_preconditioning`` the step is the same in the strategy's :math:`\mathbf a` and :math:`\mathbf L_B`,
+    mapped to and from the raw parameters.
 
     :param strategy: The decoupled strategy.
     :param curvature: Its recorded curvature.
@@ -82,12 +87,14 @@ def decoupled_natural_step(
     mean_weights = data_weights + curvature.mean_weights.to(f64)  # Lambda_m
     whitener = _pseudo_inverse_root(beta_covariance, torch.finfo(coefficients.dtype).eps)  # X
     data_projection = whitener.mT @ prior.dense(0, 1).to(f64)  # Phi, (..., M_beta, n)
-    projection, beta_alpha, alpha_variances, data_residual = _mean_basis_blocks(
-        strategy, inputs, whitener, data_projection, mean_weights
-    )
+    precision_target = whitener @ weighted_gram(data_projection, mean_weights) @ whitener.mT  # X Phi L_m Phi^T X^T
+    beta_alpha, alpha_variances, data_diagonal = _mean_basis_blocks(strategy, inputs, mean_weights)
+    projected_variances = _squared_column_norms(whitener.mT @ beta_alpha)  # diag(K_ab K_b^+ K_ba)
+    # What the projection through beta misses of the data's curvature on the mean basis's diagonal:
+    # diag(K_ax L_m K_xa) - diag(K_ab P K_ba), P the precision target.
+    data_residual = data_diagonal - ((precision_target @ beta_alpha) * beta_alpha).sum(-2)
     # Running averages of the data's curvature for the mean, at the covariance's rate (bias-corrected as Adam's
     # moments): in the covariance basis, as a precision like B, and on the diagonal of the mean basis.
-    precision_target = whitener @ weighted_gram(data_projection, mean_weights) @ whitener.mT
     steps = state.get("step", torch.zeros((), dtype=f64)).to(f64) + 1
     new_state = {
         "step": steps,
@@ -99,17 +106,15 @@ def decoupled_natural_step(
         ),
     }
     bias = 1 - (1 - covariance_lr) ** steps
-    data_root = _positive_root(new_state["mean_precision"] / bias)  # F, F F^T = the averaged precision
     data_residual = new_state["residual_curvature"] / bias
 
     a, gradient, L_B = coefficients.to(f64), gradient.to(f64), factor.to(f64).tril()
     if strategy.jacobi_preconditioning:  # a = a_0 / diag(K_alpha), L_B = L_0 / diag(K_beta) (row scaling)
         a, gradient, L_B = a / alpha_variances, gradient * alpha_variances, L_B / beta_variances.unsqueeze(-1)
-    # U^T U = K_ab (c X X^T + F F^T) K_ba = K_ab R R^T K_ba: M_beta rows, with R the triangular factor of
-    # [sqrt(c) X, F] from a QR decomposition (nothing squared).
-    roots = torch.cat([weight.sqrt() * whitener, data_root], dim=-1)
-    rows = torch.linalg.qr(roots.mT, mode="r")[1] @ beta_alpha  # U = R^T K_ba
-    exact_diagonal = (weight[..., 0] * (alpha_variances - projection.pow(2).sum(-2)) + data_residual).clamp_min(0)
+    # U^T U = K_ab (c K_b^+ + P_avg) K_ba = K_ab R R^T K_ba: M_beta rows.
+    curvature_root = _square_root(weight * (whitener @ whitener.mT) + new_state["mean_precision"] / bias)  # R
+    rows = curvature_root.mT @ beta_alpha  # U = R^T K_ba
+    exact_diagonal = (weight[..., 0] * (alpha_variances - projected_variances) + data_residual).clamp_min(0)
     diagonal = exact_diagonal + damping * (exact_diagonal + rows.pow(2).sum(-2)).mean(-1, keepdim=True)  # E
     scaled_rows = rows / diagonal.unsqueeze(-2)
     inner = scaled_rows @ rows.mT
@@ -133,39 +138,57 @@ def _padded(previous: Tensor | None, like: Tensor) -> Tensor:
 
 
 def _mean_basis_blocks(
-    strategy: DecoupledVariationalStrategy, inputs: Tensor, whitener: Tensor, data_projection: Tensor, weights: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    r""":math:`\mathbf W = \mathbf X^\top\mathbf K_{\beta\alpha}`, :math:`\mathbf K_{\beta\alpha}`,
-    :math:`\operatorname{diag}(\mathbf K_\alpha)` and
-    :math:`\operatorname{diag}(\mathbf K_{\alpha\mathbf x}\boldsymbol\Lambda_m\mathbf K_{\mathbf x\alpha} -
-    \mathbf W^\top\boldsymbol\Phi\boldsymbol\Lambda_m\boldsymbol\Phi^\top\mathbf W)`, from one evaluation of the prior
-    at :math:`[\beta; \mathbf x; \alpha_{\rm block}]` per block of mean-basis points."""
+    strategy: DecoupledVariationalStrategy, inputs: Tensor, weights: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    r""":math:`\mathbf K_{\beta\alpha}`, :math:`\operatorname{diag}(\mathbf K_\alpha)` and
+    :math:`\operatorname{diag}(\mathbf K_{\alpha\mathbf x}\boldsymbol\Lambda_m\mathbf K_{\mathbf x\alpha})` in
+    float64, from one evaluation of the prior at :math:`[\beta; \mathbf x; \alpha_{\rm block}]` per block of
+    mean-basis points (the :math:`M_\alpha \times n` block is never held whole)."""
     mean_points = strategy.mean_inducing_points
     block_size = strategy.mean_basis.kl_block_size
+    f64 = torch.float64
     blocks = []
     for start in range(0, mean_points.size(-2), block_size):
         prior = joint_prior(strategy.model, strategy.inducing_points, inputs, mean_points[start : start + block_size])
-        beta_alpha = prior.dense(0, 2).to(whitener.dtype)
-        projection = whitener.mT @ beta_alpha
-        projected_data = projection.mT @ data_projection
-        cross = prior.dense(2, 1).to(whitener.dtype)
-        residual = ((cross.pow(2) - projected_data.pow(2)) * weights.unsqueeze(-2)).sum(-1)
-        blocks.append((projection, beta_alpha, prior.diagonal(2).to(whitener.dtype), residual))
+        cross = prior.dense(2, 1).to(f64)
+        data_diagonal = ((cross * cross) @ weights.unsqueeze(-1)).squeeze(-1)
+        blocks.append((prior.dense(0, 2).to(f64), prior.diagonal(2).to(f64), data_diagonal))
     return tuple(torch.cat(parts, dim=-1) for parts in zip(*blocks, strict=True))
 
 
+def _squared_column_norms(matrix: Tensor) -> Tensor:
+    """The squared Euclidean norms of a matrix's columns."""
+    return (matrix * matrix).sum(-2)
+
+
 def _pseudo_inverse_root(matrix: Tensor, eps: float) -> Tensor:
-    r""":math:`\mathbf X = \mathbf U\boldsymbol\Lambda_+^{-1/2}`, with :math:`\mathbf U\boldsymbol\Lambda
-    \mathbf U^\top` the eigendecomposition of a PSD matrix and the eigenvalues below the pseudo-inverse's tolerance
-    (``eps`` times the size times the largest eigenvalue) dropped, so that :math:`\mathbf A^+ = \mathbf X
-    \mathbf X^\top`."""
+    r"""A root :math:`\mathbf X` of the pseudo-inverse of a PSD matrix, :math:`\mathbf A^+ = \mathbf X\mathbf X^\top`,
+    with the eigenvalues below the pseudo-inverse's tolerance (``eps`` times the size times the largest eigenvalue)
+    dropped. Where the Cholesky factor :math:`\mathbf L` proves that no eigenvalue is dropped (the smallest is at least
+    :math:`1/\operatorname{tr}(\mathbf A^{-1}) = 1/\lVert\mathbf L^{-1}\rVert_F^2` and the largest at most the
+    largest absolute row sum), :math:`\mathbf X = \mathbf L^{-\top}`; otherwise :math:`\mathbf X = \mathbf U
+    \boldsymbol\Lambda_+^{-1/2}` from the eigendecomposition :math:`\mathbf U\boldsymbol\Lambda\mathbf U^\top`.
+    Every use of :math:`\mathbf X` in the step is invariant to its rotation :math:`\mathbf X\mathbf Q`."""
+    size = matrix.size(-1)
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if not info.any():
+        identity = torch.eye(size, dtype=matrix.dtype, device=matrix.device)
+        inverse_factor = torch.linalg.solve_triangular(factor, identity, upper=False)  # L^-1
+        largest_bound = matrix.abs().sum(-1).amax(-1)
+        if (inverse_factor.pow(2).sum((-2, -1)) * eps * size * largest_bound < 1).all():
+            return inverse_factor.mT
     eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
-    tolerance = eps * matrix.size(-1) * eigenvalues.amax(-1, keepdim=True)
+    tolerance = eps * size * eigenvalues.amax(-1, keepdim=True)
     kept = eigenvalues > tolerance
     return eigenvectors * torch.where(kept, eigenvalues.clamp_min(tolerance).rsqrt(), 0).unsqueeze(-2)
 
 
-def _positive_root(matrix: Tensor) -> Tensor:
-    r""":math:`\mathbf F` with :math:`\mathbf F\mathbf F^\top` the positive part of a symmetric matrix."""
+def _square_root(matrix: Tensor) -> Tensor:
+    r""":math:`\mathbf R` with :math:`\mathbf R\mathbf R^\top` the positive part of a symmetric PSD matrix (up to
+    rounding): its Cholesky factor, or, where rounding or a null space makes that fail, the eigenvectors scaled by the
+    square roots of the eigenvalues clamped at zero."""
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if not info.any():
+        return factor
     eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
     return eigenvectors * eigenvalues.clamp_min(0).sqrt().unsqueeze(-2)
