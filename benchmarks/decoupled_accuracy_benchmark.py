@@ -7,9 +7,12 @@ over the outputs: 0.037 for SVDGP against 0.169 for SVI (their App. D). Here, on
 on the first trajectory) and on kin40k (split 0), four methods are trained on the same mini-batches for 2,000
 iterations each:
 
-* Decoupled (Adam on everything), :math:`M_\\alpha = M_\\gamma + M_\\beta` with :math:`\\alpha = \\gamma \\cup \\beta`;
-* Hybrid (Adam on everything), :math:`M_\\gamma`, :math:`M_\\beta`;
-* OrthNat (natural gradients on the :math:`\\beta` block, Adam on the rest), :math:`M_\\gamma`, :math:`M_\\beta`;
+* Decoupled (:class:`~gpytorch_decoupled.optim.MeanBasisAdam`'s curvature step on the mean coefficients and the
+  covariance factor, Adam on the hyperparameters and inducing inputs), :math:`M_\\alpha = M_\\gamma + M_\\beta` with
+  :math:`\\alpha = \\gamma \\cup \\beta`;
+* Hybrid (MeanBasisAdam on the mean coefficients, Adam on the rest), :math:`M_\\gamma`, :math:`M_\\beta`;
+* OrthNat (natural gradients on the :math:`\\beta` block, MeanBasisAdam on the mean coefficients, Adam on the rest),
+  :math:`M_\\gamma`, :math:`M_\\beta`;
 * GPyTorch's SVGP (Adam), :math:`M = M_\\beta`.
 
 The KUKA outputs default to the seven joint velocities at :math:`t+1` (target columns 7–13). The seven joint

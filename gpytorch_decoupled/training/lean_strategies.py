@@ -72,7 +72,7 @@ def _whitened_block(
     prior = prior + jitter * torch.eye(z.size(-2), dtype=z.dtype, device=z.device)
     factor = jittered_cholesky(prior, name="K_uu")
     cross = kernel(z, x) if data_cross is None else data_cross
-    interp = torch.linalg.solve_triangular(factor, cross, upper=False)
+    interp = solve_lower(factor, cross)
     mean, covariance, _ = moments
     middle = covariance - torch.eye(z.size(-2), dtype=z.dtype, device=z.device)
     variance = kernel.diagonal(x) + jitter + (interp * (middle @ interp)).sum(-2)
