@@ -184,7 +184,9 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
         and :math:`R_{\mathbf Z} \leq R` leaves less to sample (:ref:`derivations-landmark-kl`). The small
         :math:`(M_\beta + N_b)`-sized algebra runs in float64 with the strategy's jitter (the data may repeat points
         of :math:`\beta`), so that :math:`\mathbf a^\top\mathbf h = \lVert\mathbf c_{\mathbf Z}\rVert^2` holds to
-        rounding; the result has the coefficients' dtype.
+        rounding; the result has the coefficients' dtype. :math:`\mathbf L_{\mathbf Z}` is held constant under
+        differentiation: :math:`\mathbb E\,\widehat R` does not depend on it, so its gradient would add only zero-mean
+        noise, at the cost of differentiating an :math:`(M_\beta + N_b)`-sized Cholesky factorization.
 
         :param sampled: The drawn rows, their probabilities and :math:`\mathbf K_{C\gamma}\mathbf a_\gamma`.
         :param landmark_values: :math:`\mathbf K_{\mathbf Z\gamma}\mathbf a_\gamma`, ``(..., M_beta + N_b)``.
@@ -193,7 +195,9 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
         """
         coefficients = self.mean_coefficients
         factor = jittered_cholesky(
-            landmark_covariance.double(), jitter=self.jitter_val, name="kernel matrix of the covariance basis and data"
+            landmark_covariance.detach().double(),
+            jitter=self.jitter_val,
+            name="kernel matrix of the covariance basis and data",
         )
         coordinates = solve_lower(factor, landmark_values.double().unsqueeze(-1)).squeeze(-1)
         sampled_part = landmark_controlled_estimate(
