@@ -79,7 +79,12 @@ class MeanBasisAdam(torch.optim.Adam):
     :param generator: Random generator for the subsets (default: PyTorch's global one).
     :param covariance_lr: The decoupled strategy's natural-gradient step size on :math:`\mathbf B`, in
         :math:`(0, 1]` (1 sets :math:`\mathbf B` to its target), and the rate of its running averages.
-    :param damping: The decoupled strategy's Levenberg-Marquardt damping, relative to the mean curvature.
+    :param damping: The decoupled strategy's Levenberg-Marquardt damping, relative to the mean curvature; default
+        0.05. The defaults are validated up to :math:`M_\alpha` of a few thousand: with mini-batches, a mean basis of
+        :math:`10^4` points on kin40k (batches of 256) has its coefficients random-walk along the many weakly
+        determined directions until the mean diverges within 200 steps (``damping=0.5`` too), while ``damping=5``
+        (or ``lr=0.02``) trains stably (test RMSE 0.28 after 200 steps, against 0.30 at :math:`M_\alpha = 1000` with
+        the defaults).
 
     The optimizer holds the coefficient parameters it was built with: after
     :class:`~gpytorch_decoupled.optim.OnlineBasisGrowth` replaces them, build a new one.
