@@ -187,10 +187,9 @@ def _run_case(case: dict, args: argparse.Namespace, config) -> tuple[dict, Metho
     train, test, y_std = _data(case, args, config)
     options: dict = {"seed": config.seed}
     metrics = None
-    if case["method"] in REFERENCES:
-        options["num_inducing"] = 100 if case["task"] != "regression" else 200
-    else:
-        options.update(num_inducing=100 if case["task"] != "regression" else 200, num_mean_inducing=case["size"])
+    options["num_inducing"] = _covariance_size(case["task"])
+    if case["method"] not in REFERENCES:
+        options["num_mean_inducing"] = case["size"]
     if case["task"] == "binary":
         options["likelihood"] = gpytorch.likelihoods.BernoulliLikelihood()
         metrics = _classification_metrics
@@ -266,9 +265,14 @@ def _plot(rows: list[dict], results: list[MethodResult], path: Path) -> Path | N
     return save_figure(figure, path)
 
 
+def _covariance_size(task: str) -> int:
+    """M of the SVGP controls and M_beta of the decoupled methods: 200 for regression, 100 for classification."""
+    return 200 if task == "regression" else 100
+
+
 def _curve_label(row: dict) -> str:
     if row["method"] in REFERENCES:
-        size = 100 if row["task"] != "regression" else 200
+        size = _covariance_size(row["task"])
         return f"GPyTorch SVGP-{'NGD' if row['method'] == 'svgp-ngd' else 'Adam'} M={size}"
     return f"{row['method']} Mγ={row['size']}"
 

@@ -115,7 +115,7 @@ def decoupled_natural_step(
     curvature_root = _square_root(weight * (whitener @ whitener.mT) + new_state["mean_precision"] / bias)  # R
     rows = curvature_root.mT @ beta_alpha  # U = R^T K_ba
     exact_diagonal = (weight[..., 0] * (alpha_variances - projected_variances) + data_residual).clamp_min(0)
-    diagonal = exact_diagonal + damping * (exact_diagonal + rows.pow(2).sum(-2)).mean(-1, keepdim=True)  # E
+    diagonal = exact_diagonal + damping * (exact_diagonal + _squared_column_norms(rows)).mean(-1, keepdim=True)  # E
     scaled_rows = rows / diagonal.unsqueeze(-2)
     inner = scaled_rows @ rows.mT
     inner = inner + torch.eye(inner.size(-1), dtype=f64, device=inner.device)

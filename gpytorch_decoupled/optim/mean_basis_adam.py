@@ -83,9 +83,8 @@ class MeanBasisAdam(torch.optim.Adam):
         0.05. The defaults are validated up to :math:`M_\alpha` of a few thousand: outside the span of
         :math:`\beta` the step's curvature is diagonal, and a denser basis has more correlated neighbours, so on kin40k
         (batches of 256) a mean basis of :math:`10^4` points overshoots until the mean diverges within 200 steps
-        (``damping=0.5`` too), while ``damping=5``
-        (or ``lr=0.02``) trains stably (test RMSE 0.28 after 200 steps, against 0.30 at :math:`M_\alpha = 1000` with
-        the defaults).
+        (``damping=0.5`` too), while ``damping=5`` (or ``lr=0.02``) trains stably (test RMSE 0.28 after 200 steps,
+        against 0.30 at :math:`M_\alpha = 1000` with the defaults).
 
     The optimizer holds the coefficient parameters it was built with: after
     :class:`~gpytorch_decoupled.optim.OnlineBasisGrowth` replaces them, build a new one.
