@@ -7,6 +7,8 @@ from ..linalg import cholesky_solve, jittered_cholesky, solve_lower, weighted_gr
 from ..variational import DecoupledCurvature, DecoupledVariationalStrategy, joint_prior
 from .online_basis_growth import zero_padded
 
+SAMPLED_KL_DAMPING_RATIO = 16  # the sampling ratio M_alpha / b of the KL above which the damping grows with it
+
 
 @torch.no_grad()
 def decoupled_natural_step(
@@ -50,16 +52,33 @@ def decoupled_natural_step(
       where rounding makes that fail), and :math:`\mathbf E_0 = c\operatorname{diag}(\mathbf K_\alpha -
       \mathbf W^\top\mathbf W) + \bar{\mathbf r}`: :math:`c\,\mathbf K_\alpha + \mathbf K_{\alpha\mathbf x}
       \boldsymbol\Lambda_m\mathbf K_{\mathbf x\alpha}` through :math:`\beta`, its diagonal exact. :math:`\lambda`
-      is the ``damping`` and :math:`\bar h` the mean diagonal of :math:`\tilde{\mathbf H}`; the Woodbury identity
-      solves with the :math:`M_\beta \times M_\beta` matrix :math:`\mathbf I + \mathbf U\mathbf E^{-1}
-      \mathbf U^\top`, :math:`\mathbf E = \mathbf E_0 + \lambda\bar h\mathbf I`.
+      is the ``damping``, times :math:`M_\alpha / (16 b)` where the KL's quadratic form was column-sampled from
+      :math:`b < M_\alpha / 16` rows, and :math:`\bar h` the mean diagonal of :math:`\tilde{\mathbf H}`; the
+      Woodbury identity solves with the :math:`M_\beta \times M_\beta` matrix :math:`\mathbf I + \mathbf U\mathbf E^{-1}
+      \mathbf U^\top`, :math:`\mathbf E = \mathbf E_0 + \lambda\bar h\mathbf I`. The step size is
+      :math:`\min(\rho, \mathbf d^\top\nabla_{\mathbf a}\mathcal L / \mathbf d^\top\mathbf H_m\mathbf d)` for
+      the direction :math:`\mathbf d`, with :math:`\mathbf d^\top\mathbf H_m\mathbf d = \lVert
+      \boldsymbol\Lambda_m^{1/2}\mathbf K_{\mathbf x\alpha}\mathbf d\rVert^2 + c\,(\lVert\mathbf W\mathbf d
+      \rVert^2 + \mathbf d^\top\operatorname{diag}(\mathbf K_\alpha - \mathbf W^\top\mathbf W)\mathbf d)`: never
+      past the minimum along :math:`\mathbf d` of the quadratic model with this step's data curvature (kept as
+      ``step_size`` in the state);
+    * where the curvature holds column-sampled KLs (rows :math:`C_k` of :math:`b`, weights :math:`c_k`), their
+      part of the gradient, :math:`\sum_k c_k\,\mathbf g_{C_k}(\mathbf K_\alpha)` with
+      :math:`\mathbf g_C(\mathbf M) = \tfrac{M_\alpha}{2b}(\mathbf 1_C\odot\mathbf M\mathbf a +
+      \mathbf M_{\cdot C}\mathbf a_C)`, is replaced first by :math:`c\,(\tilde{\mathbf K}\mathbf a +
+      \bar{\mathbf g})`: :math:`\tilde{\mathbf K} = \mathbf W^\top\mathbf W + \operatorname{diag}(\mathbf K_\alpha -
+      \mathbf W^\top\mathbf W)` exact (a control variate) and :math:`\bar{\mathbf g}` the running average at the
+      rate :math:`\rho` of the weighted mean of :math:`\mathbf g_{C_k}(\mathbf K_\alpha - \tilde{\mathbf K})`,
+      unbiased for the rest, :math:`(\mathbf K_\alpha - \tilde{\mathbf K})\mathbf a`, at a fixed :math:`\mathbf a`
+      (one evaluation of :math:`\mathbf K_{C\alpha}` per KL).
 
     The kernel blocks between the mean basis and :math:`[\beta; \mathbf x]` are evaluated in blocks of
-    ``kl_block_size`` mean-basis points; everything else is float64, :math:`O(M_\alpha (M_\beta^2 + n D))` time
+    ``kl_block_size`` mean-basis points and kept for the step size; everything else is float64,
+    :math:`O(M_\alpha (M_\beta^2 + n D))` time
     (three :math:`M_\beta \times M_\beta` by :math:`M_\beta \times M_\alpha` products; the diagonal's projected
     part is :math:`\operatorname{diag}(\mathbf K_{\alpha\beta}\mathbf P\mathbf K_{\beta\alpha})` with
     :math:`\mathbf P = \mathbf X\boldsymbol\Phi\boldsymbol\Lambda_m\boldsymbol\Phi^\top\mathbf X^\top`)
-    and :math:`O(M_\alpha M_\beta)` memory for :math:`n` recorded data. :math:`\mathbf X` is :math:`\mathbf
+    and :math:`O(M_\alpha (M_\beta + n))` memory for :math:`n` recorded data. :math:`\mathbf X` is :math:`\mathbf
     L^{-\top}` (:math:`\mathbf L` the Cholesky factor of :math:`\mathbf K_\beta`) where that provably drops no
     eigenvalue, the eigendecomposition's root otherwise; the step does not depend on which. With
     ``jacobi_preconditioning`` the step is the same in the strategy's :math:`\mathbf a` and :math:`\mathbf L_B`,
@@ -72,7 +91,8 @@ def decoupled_natural_step(
     :param covariance_lr: :math:`\rho_B \in (0, 1]`.
     :param damping: :math:`\lambda > 0`.
     :param state: The previous step's state (empty at the first): ``step``, ``mean_precision``
-        (:math:`\bar{\mathbf P}`) and ``residual_curvature`` (:math:`\bar{\mathbf r}`), not bias-corrected.
+        (:math:`\bar{\mathbf P}`) and ``residual_curvature`` (:math:`\bar{\mathbf r}`), not bias-corrected,
+        ``kl_residual_gradient`` (:math:`\bar{\mathbf g}`, with a sampled KL) and the ``step_size`` taken.
     :return: The new raw ``mean_coefficients`` and ``precision_factor``, in their dtypes, and the new state.
     """
     distribution = strategy._variational_distribution
@@ -88,8 +108,9 @@ def decoupled_natural_step(
     whitener = _pseudo_inverse_root(beta_covariance, torch.finfo(coefficients.dtype).eps)  # X
     data_projection = whitener.mT @ prior.dense(0, 1).to(f64)  # Phi, (..., M_beta, n)
     precision_target = whitener @ weighted_gram(data_projection, mean_weights) @ whitener.mT  # X Phi L_m Phi^T X^T
-    beta_alpha, alpha_variances, data_diagonal = _mean_basis_blocks(strategy, inputs, mean_weights)
-    projected_variances = _squared_column_norms(whitener.mT @ beta_alpha)  # diag(K_ab K_b^+ K_ba)
+    beta_alpha, alpha_variances, data_diagonal, data_blocks = _mean_basis_blocks(strategy, inputs, mean_weights)
+    projection = whitener.mT @ beta_alpha  # W
+    projected_variances = _squared_column_norms(projection)  # diag(K_ab K_b^+ K_ba)
     # What the projection through beta misses of the data's curvature on the mean basis's diagonal:
     # diag(K_ax L_m K_xa) - diag(K_ab P K_ba), P the precision target.
     data_residual = data_diagonal - ((precision_target @ beta_alpha) * beta_alpha).sum(-2)
@@ -111,10 +132,18 @@ def decoupled_natural_step(
     a, gradient, L_B = coefficients.to(f64), gradient.to(f64), factor.to(f64).tril()
     if strategy.jacobi_preconditioning:  # a = a_0 / diag(K_alpha), L_B = L_0 / diag(K_beta) (row scaling)
         a, gradient, L_B = a / alpha_variances, gradient * alpha_variances, L_B / beta_variances.unsqueeze(-1)
+    residual_variances = (alpha_variances - projected_variances).clamp_min(0)  # diag(K_alpha - W^T W)
+    if curvature.kl_samples:  # the sampled KL's gradient: its part through beta exact, the rest averaged over steps
+        gradient = gradient + _kl_gradient_correction(
+            strategy, curvature, projection, residual_variances, a, lr, state, new_state
+        )
     # U^T U = K_ab (c K_b^+ + P_avg) K_ba = K_ab R R^T K_ba: M_beta rows.
     curvature_root = _square_root(weight * (whitener @ whitener.mT) + new_state["mean_precision"] / bias)  # R
     rows = curvature_root.mT @ beta_alpha  # U = R^T K_ba
-    exact_diagonal = (weight[..., 0] * (alpha_variances - projected_variances) + data_residual).clamp_min(0)
+    exact_diagonal = (weight[..., 0] * residual_variances + data_residual).clamp_min(0)
+    # A column-sampled KL's gradient is noisier the fewer rows it draws: the damping grows with the sampling ratio.
+    sampling_ratio = max((a.size(-1) / drawn.numel() for drawn, _ in curvature.kl_samples), default=1.0)
+    damping = damping * max(1.0, sampling_ratio / SAMPLED_KL_DAMPING_RATIO)
     diagonal = exact_diagonal + damping * (exact_diagonal + _squared_column_norms(rows)).mean(-1, keepdim=True)  # E
     scaled_rows = rows / diagonal.unsqueeze(-2)
     inner = scaled_rows @ rows.mT
@@ -122,7 +151,17 @@ def decoupled_natural_step(
     inner_factor = jittered_cholesky(inner, name="MeanBasisAdam I + U E^-1 U^T")
     direction = gradient / diagonal
     correction = scaled_rows.mT @ cholesky_solve(inner_factor, rows @ direction.unsqueeze(-1))
-    new_a = a - lr * (direction - correction.squeeze(-1))
+    direction = direction - correction.squeeze(-1)  # d = H~^-1 g
+    # No step beyond the minimum along d of the quadratic model with this step's exact data curvature,
+    # d^T H d = ||Lambda_m^1/2 K_xa d||^2 + c (||W d||^2 + d^T diag(K_alpha - W^T W) d), against d^T H~ d = d^T g.
+    model_curvature = (mean_weights * _data_values(data_blocks, direction).pow(2)).sum(-1) + weight[..., 0, 0] * (
+        _squared_column_norms(projection @ direction.unsqueeze(-1)).squeeze(-1)
+        + (residual_variances * direction.pow(2)).sum(-1)
+    )
+    decrease = (direction * gradient).sum(-1)
+    step_size = torch.where((decrease > 0) & (lr * model_curvature > decrease), decrease / model_curvature, lr)
+    new_state["step_size"] = step_size
+    new_a = a - step_size.unsqueeze(-1) * direction
 
     target_root = whitener @ (data_projection * (data_weights / weight[..., 0]).sqrt().unsqueeze(-2))
     stacked = torch.cat([(1 - covariance_lr) ** 0.5 * L_B, covariance_lr**0.5 * target_root], dim=-1)
@@ -147,13 +186,78 @@ def _mean_basis_blocks(
     mean_points = strategy.mean_inducing_points
     block_size = strategy.mean_basis.kl_block_size
     f64 = torch.float64
-    blocks = []
+    blocks, data_blocks = [], []
     for start in range(0, mean_points.size(-2), block_size):
         prior = joint_prior(strategy.model, strategy.inducing_points, inputs, mean_points[start : start + block_size])
-        cross = prior.dense(2, 1).to(f64)
+        data_blocks.append(prior.dense(2, 1))
+        cross = data_blocks[-1].to(f64)
         data_diagonal = ((cross * cross) @ weights.unsqueeze(-1)).squeeze(-1)
         blocks.append((prior.dense(0, 2).to(f64), prior.diagonal(2).to(f64), data_diagonal))
-    return tuple(torch.cat(parts, dim=-1) for parts in zip(*blocks, strict=True))
+    return *(torch.cat(parts, dim=-1) for parts in zip(*blocks, strict=True)), data_blocks
+
+
+def _data_values(data_blocks: list[Tensor], coefficients: Tensor) -> Tensor:
+    r""":math:`\mathbf K_{\mathbf x\alpha}\mathbf v` in float64, from the blocks of
+    :math:`\mathbf K_{\alpha\mathbf x}`."""
+    parts = coefficients.split([block.size(-2) for block in data_blocks], dim=-1)
+    products = [block.to(coefficients).mT @ part.unsqueeze(-1) for block, part in zip(data_blocks, parts, strict=True)]
+    return sum(products).squeeze(-1)
+
+
+def _kl_gradient_correction(
+    strategy: DecoupledVariationalStrategy,
+    curvature: DecoupledCurvature,
+    projection: Tensor,
+    residual_variances: Tensor,
+    a: Tensor,
+    rate: float,
+    state: dict[str, Tensor],
+    new_state: dict[str, Tensor],
+) -> Tensor:
+    r"""What turns the gradient of the column-sampled KLs in ``curvature`` into :math:`c\,(\tilde{\mathbf K}\mathbf a
+    + \bar{\mathbf g})`: :math:`c = \sum_k c_k` their weights, :math:`\tilde{\mathbf K} = \mathbf W^\top\mathbf W +
+    \operatorname{diag}(\mathbf K_\alpha - \mathbf W^\top\mathbf W)` exact, and :math:`\bar{\mathbf g}` the running
+    average at ``rate`` (kept in ``new_state``) of the sampled estimates of the rest, :math:`(\mathbf K_\alpha -
+    \tilde{\mathbf K})\mathbf a`, from the rows :math:`C_k` of each KL (:func:`_sampled_residual_gradient`)."""
+    mean_points, f64 = strategy.mean_inducing_points, torch.float64
+    weights = [weight.to(f64).unsqueeze(-1) for _, weight in curvature.kl_samples]
+    correction, residual = 0, 0
+    for (rows, _), weight in zip(curvature.kl_samples, weights, strict=True):
+        row_block = joint_prior(strategy.model, mean_points[rows], mean_points).dense(0, 1).to(f64)  # K_Ca
+        sampled, sampled_residual = _sampled_residual_gradient(row_block, projection, residual_variances, a, rows)
+        correction = correction - weight * sampled
+        residual = residual + weight * sampled_residual
+    total = sum(weights)
+    residual = residual / total
+    previous = state.get("kl_residual_gradient")
+    average = residual if previous is None else torch.lerp(_padded(previous, residual), residual, rate)
+    new_state["kl_residual_gradient"] = average
+    exact = (projection.mT @ (projection @ a.unsqueeze(-1))).squeeze(-1) + residual_variances * a  # K~ a
+    return correction + total * (exact + average)
+
+
+def _sampled_residual_gradient(
+    row_block: Tensor, projection: Tensor, residual_variances: Tensor, a: Tensor, rows: Tensor
+) -> tuple[Tensor, Tensor]:
+    r"""The gradient in :math:`\mathbf a` of the column-sampled estimate of :math:`\tfrac12\mathbf a^\top
+    \mathbf K_\alpha\mathbf a` from ``rows`` :math:`C` (:math:`b` of :math:`M_\alpha`; ``row_block``
+    :math:`\mathbf K_{C\alpha}`), :math:`\mathbf g_C(\mathbf K_\alpha) = \tfrac{M_\alpha}{2b}(\mathbf 1_C\odot
+    \mathbf K_\alpha\mathbf a + \mathbf K_{\alpha C}\mathbf a_C)`, and the same estimate of the residual's,
+    :math:`\mathbf g_C(\mathbf K_\alpha - \tilde{\mathbf K})`, :math:`\tilde{\mathbf K} = \mathbf W^\top\mathbf W
+    + \operatorname{diag}(\mathbf K_\alpha - \mathbf W^\top\mathbf W)`: unbiased for
+    :math:`(\mathbf K_\alpha - \tilde{\mathbf K})\mathbf a` over :math:`C`, whose diagonal is zero."""
+    scale = 0.5 * a.size(-1) / rows.numel()
+    residual_block = row_block - projection[..., rows].mT @ projection  # rows C of K_alpha - K~
+    residual_block[..., torch.arange(rows.numel(), device=rows.device), rows] -= residual_variances[..., rows]
+    return _column_sampled_gradient(row_block, a, rows, scale), _column_sampled_gradient(residual_block, a, rows, scale)
+
+
+def _column_sampled_gradient(row_block: Tensor, a: Tensor, rows: Tensor, scale: float) -> Tensor:
+    r""":math:`s\,(\mathbf 1_C\odot\mathbf M\mathbf a + \mathbf M_{\cdot C}\mathbf a_C)` for a symmetric
+    :math:`\mathbf M` of which ``row_block`` holds the rows :math:`C`."""
+    gradient = (row_block.mT @ a[..., rows].unsqueeze(-1)).squeeze(-1)
+    gradient[..., rows] += (row_block @ a.unsqueeze(-1)).squeeze(-1)
+    return scale * gradient
 
 
 def _squared_column_norms(matrix: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ from ._decoupled_natural_step import decoupled_natural_step
 #: The default ``lr``: Adam's rate in function space, and the decoupled strategy's Gauss-Newton step size.
 ADAM_LR, NATURAL_LR = 0.5, 0.1
 #: The decoupled step's state (running averages of the data's curvature), beside a coefficient parameter.
-NATURAL_STATE = ("step", "mean_precision", "residual_curvature")
+NATURAL_STATE = ("step", "mean_precision", "residual_curvature", "kl_residual_gradient")
 
 
 class MeanBasisAdam(torch.optim.Adam):

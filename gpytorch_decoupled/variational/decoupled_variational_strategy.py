@@ -25,7 +25,8 @@ class DecoupledCurvature(NamedTuple):
     r"""What a :class:`DecoupledVariationalStrategy` records of the loss :math:`\mathcal L` in the backward passes of
     its training calls while ``record_curvature`` is set, since :meth:`DecoupledVariationalStrategy.reset_curvature`:
     the inputs of every call (concatenated), per datum the derivatives of :math:`\mathcal L` in its marginal mean
-    :math:`m_n` and variance :math:`s_n`, and the KL's weight in :math:`\mathcal L` (summed).
+    :math:`m_n` and variance :math:`s_n`, the KL's weight in :math:`\mathcal L` (summed), and, for each KL whose
+    quadratic form was column-sampled, its sampled rows with its weight.
     :class:`~gpytorch_decoupled.optim.MeanBasisAdam` steps the strategy with them
     (:ref:`derivations-decoupled-step`)."""
 
@@ -33,6 +34,7 @@ class DecoupledCurvature(NamedTuple):
     variance_weights: Tensor  # 2 dL/ds_n, (..., n)
     mean_weights: Tensor  # b (dL/dm_n)^2, b the number of data of the datum's call, (..., n)
     kl_weight: Tensor  # dL/dKL, (...)
+    kl_samples: tuple[tuple[Tensor, Tensor], ...] = ()  # per column-sampled KL: its rows of K_alpha and dL/dKL
 
 
 class DecoupledVariationalStrategy(_DirectVariationalStrategy):
@@ -274,15 +276,18 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
         weights = {
             name: torch.cat([call[name] for call in calls], dim=-1) for name in ("variance_weights", "mean_weights")
         }
-        return DecoupledCurvature(inputs=inputs, kl_weight=kl_weight, **weights)
+        kl_samples = tuple(self.__dict__.get("_kl_samples", []))
+        return DecoupledCurvature(inputs=inputs, kl_weight=kl_weight, kl_samples=kl_samples, **weights)
 
     def reset_curvature(self) -> None:
         """Forgets the recorded curvature (:class:`~gpytorch_decoupled.optim.MeanBasisAdam` does, in ``zero_grad``)."""
-        self.__dict__.update(_curvature_calls=[], _kl_weight=None)
+        self.__dict__.update(_curvature_calls=[], _kl_weight=None, _kl_samples=[])
 
-    def _record_kl_weight(self, gradient: Tensor) -> None:
+    def _record_kl_weight(self, rows: Tensor | None, gradient: Tensor) -> None:
         previous = self.__dict__.get("_kl_weight")
         self.__dict__["_kl_weight"] = gradient.detach() if previous is None else previous + gradient.detach()
+        if rows is not None:
+            self.__dict__.setdefault("_kl_samples", []).append((rows, gradient.detach()))
 
     def _curvature_probe(self, x: Tensor, mean: Tensor, shape: torch.Size) -> Tensor:
         r"""A zero vector :math:`\mathbf z` of the marginal variances' shape, for the caller to add to them, so that
@@ -367,5 +372,6 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
         covariance_kl = whitened_kl(chol)
         kl = 0.5 * self.mean_basis_quadratic_form() + covariance_kl.to(self.inducing_points.dtype)
         if self.training and self.record_curvature and kl.requires_grad:
-            kl.register_hook(self._record_kl_weight)
+            rows = None if self.mean_basis.exact_quadratic_form() else self.mean_basis.sampled_indices
+            kl.register_hook(functools.partial(self._record_kl_weight, rows))
         return kl

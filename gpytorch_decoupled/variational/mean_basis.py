@@ -85,7 +85,9 @@ class MeanBasis(Module):
     variational distribution given as ``coefficient_source`` (a variational parameter: the decoupled strategy).
 
     In training, :meth:`fused_values` draws this step's rows :math:`C` of the quadratic form with the data's, and keeps
-    the estimate in the attribute ``sampled_quadratic_form`` for the step's KL (:meth:`quadratic_form`), or, with
+    the estimate in the attribute ``sampled_quadratic_form`` for the step's KL (:meth:`quadratic_form`) and the rows in
+    ``sampled_indices`` (for a step that reduces the variance of the estimate's gradient, as
+    :class:`~gpytorch_decoupled.optim.MeanBasisAdam` does), or, with
     ``importance_sampling``, the rows and their values in ``sampled_rows`` for the strategy's estimate; None outside a
     training step, they are forgotten with GPyTorch's caches (the strategy's training call, ``train()``/``eval()``,
     ``load_state_dict``, ``.to()``; :func:`~gpytorch_decoupled.gpytorch_compat.cache_safe`). The rows are drawn from
@@ -144,8 +146,9 @@ class MeanBasis(Module):
         torch.Size([210])
     """
 
-    _step_attributes = ("sampled_quadratic_form", "sampled_rows")
+    _step_attributes = ("sampled_quadratic_form", "sampled_indices", "sampled_rows")
     sampled_quadratic_form: Tensor | None = None
+    sampled_indices: Tensor | None = None
     sampled_rows: SampledRows | None = None
 
     def __init__(
@@ -334,6 +337,7 @@ class MeanBasis(Module):
             if probabilities is None:
                 scale = self.inducing_points.size(-2) / indices.numel()
                 self.sampled_quadratic_form = scale * (coefficients[..., indices] * row_values.pop()).sum(-1)
+                self.sampled_indices = indices
             else:
                 self.sampled_rows = SampledRows(indices, probabilities, row_values.pop())
         return MeanBasisValues(row_values, data_values, prior)
@@ -354,7 +358,7 @@ class MeanBasis(Module):
         if indices is None and self.sampled_quadratic_form is not None:
             return self.sampled_quadratic_form
         if indices is None and not self.exact_quadratic_form():
-            indices = self._uniform_rows()
+            indices = self.sampled_indices = self._uniform_rows()
         if indices is None:  # exact: the block itself (no probe for a fused path; a lazy block is swept in row blocks)
             points = self.inducing_points
             return kernel_quadratic_form(
