@@ -281,7 +281,7 @@ def test_sampled_kl_gradient_and_its_residual_part() -> None:
 def test_decoupled_sampled_kl_trains_as_the_exact_one() -> None:
     # 8 sampled rows of 405: the column-sampled KL's gradient puts 405/8 times the prior's pull on the drawn
     # coefficients. With its part through beta exact and the rest averaged over steps, 300 full-batch steps at the
-    # defaults end within 0.5 nats of the exact KL's run (the raw estimate: the ELBO stalled 77 nats below).
+    # defaults end within 0.5 nats of the exact KL's run (the former step, with neither: 77 nats below).
     # The curvature records each sampled KL's rows and weight, and an exact KL none.
     X = torch.linspace(-3, 3, 120, dtype=F64).unsqueeze(-1)
     y = torch.sin(2 * X[:, 0]) + 0.5 * X[:, 0]
