@@ -7,8 +7,6 @@ from ..linalg import cholesky_solve, jittered_cholesky, solve_lower, weighted_gr
 from ..variational import DecoupledCurvature, DecoupledVariationalStrategy, joint_prior
 from .online_basis_growth import zero_padded
 
-SAMPLED_KL_DAMPING_RATIO = 16  # the sampling ratio M_alpha / b of the KL above which the damping grows with it
-
 
 @torch.no_grad()
 def decoupled_natural_step(
@@ -52,8 +50,8 @@ def decoupled_natural_step(
       where rounding makes that fail), and :math:`\mathbf E_0 = c\operatorname{diag}(\mathbf K_\alpha -
       \mathbf W^\top\mathbf W) + \bar{\mathbf r}`: :math:`c\,\mathbf K_\alpha + \mathbf K_{\alpha\mathbf x}
       \boldsymbol\Lambda_m\mathbf K_{\mathbf x\alpha}` through :math:`\beta`, its diagonal exact. :math:`\lambda`
-      is the ``damping``, times :math:`M_\alpha / (16 b)` where the KL's quadratic form was column-sampled from
-      :math:`b < M_\alpha / 16` rows, and :math:`\bar h` the mean diagonal of :math:`\tilde{\mathbf H}`; the
+      is the ``damping``, times :math:`M_\alpha / b` where the KL's quadratic form was column-sampled from
+      :math:`b` rows, and :math:`\bar h` the mean diagonal of :math:`\tilde{\mathbf H}`; the
       Woodbury identity solves with the :math:`M_\beta \times M_\beta` matrix :math:`\mathbf I + \mathbf U\mathbf E^{-1}
       \mathbf U^\top`, :math:`\mathbf E = \mathbf E_0 + \lambda\bar h\mathbf I`. The step size is
       :math:`\min(\rho, \mathbf d^\top\nabla_{\mathbf a}\mathcal L / \mathbf d^\top\mathbf H_m\mathbf d)` for
@@ -143,7 +141,7 @@ def decoupled_natural_step(
     exact_diagonal = (weight[..., 0] * residual_variances + data_residual).clamp_min(0)
     # A column-sampled KL's gradient is noisier the fewer rows it draws: the damping grows with the sampling ratio.
     sampling_ratio = max((a.size(-1) / drawn.numel() for drawn, _ in curvature.kl_samples), default=1.0)
-    damping = damping * max(1.0, sampling_ratio / SAMPLED_KL_DAMPING_RATIO)
+    damping = damping * sampling_ratio
     diagonal = exact_diagonal + damping * (exact_diagonal + _squared_column_norms(rows)).mean(-1, keepdim=True)  # E
     scaled_rows = rows / diagonal.unsqueeze(-2)
     inner = scaled_rows @ rows.mT

@@ -61,7 +61,7 @@ class MeanBasisAdam(torch.optim.Adam):
       the minimum along the step's direction of the quadratic model with this step's data curvature (a dense mean
       basis couples each coefficient to many neighbours, which the diagonal does not see), and a column-sampled KL's
       gradient (a basis above ``exact_kl_size``) enters with its part through the covariance basis exact and the
-      rest averaged over steps, with the damping grown by the sampling ratio :math:`M_\alpha / b` beyond 16.
+      rest averaged over steps, with the damping multiplied by the sampling ratio :math:`M_\alpha / b`.
 
     Both cost :math:`O(M_\alpha M_\beta^2 + M_\beta^3)` plus the kernel between the mean basis and the step's data
     (the forward pass's size), linear in the mean basis. The precision factor :math:`\mathbf L_B` is not in
@@ -84,7 +84,7 @@ class MeanBasisAdam(torch.optim.Adam):
     :param covariance_lr: The decoupled strategy's natural-gradient step size on :math:`\mathbf B`, in
         :math:`(0, 1]` (1 sets :math:`\mathbf B` to its target), and the rate of its running averages.
     :param damping: The decoupled strategy's Levenberg-Marquardt damping, relative to the mean curvature; default
-        0.05 (multiplied by :math:`M_\alpha / (16 b)` when the KL samples :math:`b < M_\alpha / 16` rows). The
+        0.05 (multiplied by :math:`M_\alpha / b` when the KL samples :math:`b` of the :math:`M_\alpha` rows). The
         defaults train kin40k (batches of 256) from :math:`M_\alpha = 10^3` to :math:`10^5` without tuning
         (``bench decoupled-speed``'s scale runs).
 

@@ -278,13 +278,17 @@ def test_sampled_kl_gradient_and_its_residual_part() -> None:
     torch.testing.assert_close(torch.stack(estimates).mean(0), residual @ a, rtol=1e-12, atol=1e-12)
 
 
-def test_decoupled_sampled_kl_trains_as_the_exact_one() -> None:
+@pytest.mark.parametrize("likelihood", ["gaussian", "bernoulli"])
+def test_decoupled_sampled_kl_trains_as_the_exact_one(likelihood: str) -> None:
     # 8 sampled rows of 405: the column-sampled KL's gradient puts 405/8 times the prior's pull on the drawn
-    # coefficients. With its part through beta exact and the rest averaged over steps, 300 full-batch steps at the
-    # defaults end within 0.5 nats of the exact KL's run (the former step, with neither: 77 nats below).
-    # The curvature records each sampled KL's rows and weight, and an exact KL none.
+    # coefficients. With its part through beta exact, the rest averaged over steps and the damping times 405/8, 300
+    # full-batch steps at the defaults end within 1 nat of the exact KL's run (the former step: 77 nats below with the
+    # Gaussian likelihood, 990 with the Bernoulli one; with the damping grown only beyond a sampling ratio of 16, the
+    # Bernoulli run fell to -510 and ended 53 nats below). The curvature records each sampled KL's rows and weight,
+    # and an exact KL none.
     X = torch.linspace(-3, 3, 120, dtype=F64).unsqueeze(-1)
-    y = torch.sin(2 * X[:, 0]) + 0.5 * X[:, 0]
+    f = torch.sin(2 * X[:, 0]) + 0.5 * X[:, 0]
+    y = f if likelihood == "gaussian" else (f > 0).to(F64)
     beta = torch.linspace(-3, 3, 5, dtype=F64).unsqueeze(-1)
     dense = torch.cat([torch.linspace(-3.1, 3.1, 400, dtype=F64).unsqueeze(-1), beta])
     final = {}
@@ -293,10 +297,11 @@ def test_decoupled_sampled_kl_trains_as_the_exact_one() -> None:
             torch.manual_seed(0)
             model = MeanBasisGP("decoupled", beta, dense, num_kl_columns=num_kl_columns, exact_kl_size=0)
         strategy = model.variational_strategy
-        likelihood, optimizer = gaussian_likelihood(), MeanBasisAdam(model)
+        lik = gaussian_likelihood() if likelihood == "gaussian" else bernoulli_likelihood()
+        optimizer = MeanBasisAdam(model)
         for _ in range(300):
             optimizer.zero_grad()
-            (-full_batch_elbo(model, likelihood, X, y) / X.size(0)).backward()
+            (-full_batch_elbo(model, lik, X, y) / X.size(0)).backward()
             samples = strategy.curvature.kl_samples
             if num_kl_columns is None:
                 assert samples == ()
@@ -307,8 +312,8 @@ def test_decoupled_sampled_kl_trains_as_the_exact_one() -> None:
             optimizer.step()
         strategy.num_kl_columns = None
         with torch.no_grad():
-            final[num_kl_columns] = full_batch_elbo(model, likelihood, X, y).item()
-    assert abs(final[8] - final[None]) < 0.5, final
+            final[num_kl_columns] = full_batch_elbo(model, lik, X, y).item()
+    assert abs(final[8] - final[None]) < 1.0, final
 
 
 def test_decoupled_jacobi_preconditioned_strategy_takes_the_same_step() -> None:
