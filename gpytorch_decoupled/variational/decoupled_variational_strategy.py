@@ -372,6 +372,5 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
         covariance_kl = whitened_kl(chol)
         kl = 0.5 * self.mean_basis_quadratic_form() + covariance_kl.to(self.inducing_points.dtype)
         if self.training and self.record_curvature and kl.requires_grad:
-            rows = None if self.mean_basis.exact_quadratic_form() else self.mean_basis.sampled_indices
-            kl.register_hook(functools.partial(self._record_kl_weight, rows))
+            kl.register_hook(functools.partial(self._record_kl_weight, self.mean_basis.sampled_indices))
         return kl
