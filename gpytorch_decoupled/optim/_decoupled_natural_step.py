@@ -104,8 +104,9 @@ def decoupled_natural_step(
     data_weights = curvature.variance_weights.to(f64).clamp_min(0)  # Lambda
     mean_weights = data_weights + curvature.mean_weights.to(f64)  # Lambda_m
     whitener = _pseudo_inverse_root(beta_covariance, torch.finfo(coefficients.dtype).eps)  # X
-    data_projection = whitener.mT @ prior.dense(0, 1).to(f64)  # Phi, (..., M_beta, n)
-    precision_target = whitener @ weighted_gram(data_projection, mean_weights) @ whitener.mT  # X Phi L_m Phi^T X^T
+    pseudo_inverse = whitener @ whitener.mT  # K_beta^+
+    data_map = pseudo_inverse @ prior.dense(0, 1).to(f64)  # X Phi = K_beta^+ K_beta,x, (..., M_beta, n)
+    precision_target = weighted_gram(data_map, mean_weights)  # X Phi L_m Phi^T X^T
     beta_alpha, alpha_variances, data_diagonal, data_blocks = _mean_basis_blocks(strategy, inputs, mean_weights)
     projection = whitener.mT @ beta_alpha  # W
     projected_variances = _squared_column_norms(projection)  # diag(K_ab K_b^+ K_ba)
@@ -136,7 +137,7 @@ def decoupled_natural_step(
             strategy, curvature, projection, residual_variances, a, lr, state, new_state
         )
     # U^T U = K_ab (c K_b^+ + P_avg) K_ba = K_ab R R^T K_ba: M_beta rows.
-    curvature_root = _square_root(weight * (whitener @ whitener.mT) + new_state["mean_precision"] / bias)  # R
+    curvature_root = _square_root(weight * pseudo_inverse + new_state["mean_precision"] / bias)  # R
     rows = curvature_root.mT @ beta_alpha  # U = R^T K_ba
     exact_diagonal = (weight[..., 0] * residual_variances + data_residual).clamp_min(0)
     # A column-sampled KL's gradient is noisier the fewer rows it draws: the damping grows with the sampling ratio.
@@ -161,7 +162,7 @@ def decoupled_natural_step(
     new_state["step_size"] = step_size
     new_a = a - step_size.unsqueeze(-1) * direction
 
-    target_root = whitener @ (data_projection * (data_weights / weight[..., 0]).sqrt().unsqueeze(-2))
+    target_root = data_map * (data_weights / weight[..., 0]).sqrt().unsqueeze(-2)  # X Phi (Lambda / c)^1/2
     stacked = torch.cat([(1 - covariance_lr) ** 0.5 * L_B, covariance_lr**0.5 * target_root], dim=-1)
     new_factor = torch.linalg.qr(stacked.mT, mode="r")[1].mT
     if strategy.jacobi_preconditioning:
