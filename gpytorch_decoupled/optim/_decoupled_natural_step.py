@@ -71,9 +71,10 @@ def decoupled_natural_step(
       (one evaluation of :math:`\mathbf K_{C\alpha}` per KL).
 
     The kernel blocks between the mean basis and :math:`[\beta; \mathbf x]` are evaluated in blocks of
-    ``kl_block_size`` mean-basis points and kept for the step size; everything else is float64,
-    :math:`O(M_\alpha (M_\beta^2 + n D))` time
-    (three :math:`M_\beta \times M_\beta` by :math:`M_\beta \times M_\alpha` products; the diagonal's projected
+    ``kl_block_size`` mean-basis points and kept for the step size; the four products of :math:`M_\alpha \times
+    M_\beta^2` (three :math:`M_\beta \times M_\beta` matrices by :math:`\mathbf K_{\beta\alpha}`, and
+    :math:`\mathbf U\mathbf E^{-1}\mathbf U^\top`) run in the model's dtype, everything else in float64,
+    :math:`O(M_\alpha (M_\beta^2 + n D))` time (the diagonal's projected
     part is :math:`\operatorname{diag}(\mathbf K_{\alpha\beta}\mathbf P\mathbf K_{\beta\alpha})` with
     :math:`\mathbf P = \mathbf X\boldsymbol\Phi\boldsymbol\Lambda_m\boldsymbol\Phi^\top\mathbf X^\top`)
     and :math:`O(M_\alpha (M_\beta + n))` memory for :math:`n` recorded data. :math:`\mathbf X` is :math:`\mathbf
@@ -108,11 +109,12 @@ def decoupled_natural_step(
     data_map = pseudo_inverse @ prior.dense(0, 1).to(f64)  # X Phi = K_beta^+ K_beta,x, (..., M_beta, n)
     precision_target = weighted_gram(data_map, mean_weights)  # X Phi L_m Phi^T X^T
     beta_alpha, alpha_variances, data_diagonal, data_blocks = _mean_basis_blocks(strategy, inputs, mean_weights)
-    projection = whitener.mT @ beta_alpha  # W
+    working = beta_alpha.dtype  # the M_beta x M_alpha products run in the model's dtype (see _product)
+    projection = _product(whitener.mT, beta_alpha, working)  # W
     projected_variances = _squared_column_norms(projection)  # diag(K_ab K_b^+ K_ba)
     # What the projection through beta misses of the data's curvature on the mean basis's diagonal:
     # diag(K_ax L_m K_xa) - diag(K_ab P K_ba), P the precision target.
-    data_residual = data_diagonal - ((precision_target @ beta_alpha) * beta_alpha).sum(-2)
+    data_residual = data_diagonal - (_product(precision_target, beta_alpha, working) * beta_alpha).sum(-2)
     # Running averages of the data's curvature for the mean, at the covariance's rate (bias-corrected as Adam's
     # moments): in the covariance basis, as a precision like B, and on the diagonal of the mean basis.
     steps = state.get("step", torch.zeros((), dtype=f64)).to(f64) + 1
@@ -138,14 +140,14 @@ def decoupled_natural_step(
         )
     # U^T U = K_ab (c K_b^+ + P_avg) K_ba = K_ab R R^T K_ba: M_beta rows.
     curvature_root = _square_root(weight * pseudo_inverse + new_state["mean_precision"] / bias)  # R
-    rows = curvature_root.mT @ beta_alpha  # U = R^T K_ba
+    rows = _product(curvature_root.mT, beta_alpha, working)  # U = R^T K_ba
     exact_diagonal = (weight[..., 0] * residual_variances + data_residual).clamp_min(0)
     # A column-sampled KL's gradient is noisier the fewer rows it draws: the damping grows with the sampling ratio.
     sampling_ratio = max((a.size(-1) / drawn.numel() for drawn, _ in curvature.kl_samples), default=1.0)
     damping = damping * sampling_ratio
     diagonal = exact_diagonal + damping * (exact_diagonal + _squared_column_norms(rows)).mean(-1, keepdim=True)  # E
     scaled_rows = rows / diagonal.unsqueeze(-2)
-    inner = scaled_rows @ rows.mT
+    inner = _product(scaled_rows, rows.mT, working)
     inner = inner + torch.eye(inner.size(-1), dtype=f64, device=inner.device)
     inner_factor = jittered_cholesky(inner, name="MeanBasisAdam I + U E^-1 U^T")
     direction = gradient / diagonal
@@ -178,7 +180,7 @@ def _padded(previous: Tensor | None, like: Tensor) -> Tensor:
 def _mean_basis_blocks(
     strategy: DecoupledVariationalStrategy, inputs: Tensor, weights: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    r""":math:`\mathbf K_{\beta\alpha}`, :math:`\operatorname{diag}(\mathbf K_\alpha)` and
+    r""":math:`\mathbf K_{\beta\alpha}` in the model's dtype, :math:`\operatorname{diag}(\mathbf K_\alpha)` and
     :math:`\operatorname{diag}(\mathbf K_{\alpha\mathbf x}\boldsymbol\Lambda_m\mathbf K_{\mathbf x\alpha})` in
     float64, from one evaluation of the prior at :math:`[\beta; \mathbf x; \alpha_{\rm block}]` per block of
     mean-basis points (the :math:`M_\alpha \times n` block is never held whole)."""
@@ -191,7 +193,7 @@ def _mean_basis_blocks(
         data_blocks.append(prior.dense(2, 1))
         cross = data_blocks[-1].to(f64)
         data_diagonal = ((cross * cross) @ weights.unsqueeze(-1)).squeeze(-1)
-        blocks.append((prior.dense(0, 2).to(f64), prior.diagonal(2).to(f64), data_diagonal))
+        blocks.append((prior.dense(0, 2), prior.diagonal(2).to(f64), data_diagonal))
     return *(torch.cat(parts, dim=-1) for parts in zip(*blocks, strict=True)), data_blocks
 
 
@@ -257,6 +259,15 @@ def _column_sampled_gradient(row_block: Tensor, a: Tensor, rows: Tensor, scale: 
     gradient = (row_block.mT @ a[..., rows].unsqueeze(-1)).squeeze(-1)
     gradient[..., rows] += (row_block @ a.unsqueeze(-1)).squeeze(-1)
     return scale * gradient
+
+
+def _product(left: Tensor, right: Tensor, dtype: torch.dtype) -> Tensor:
+    r"""``left @ right`` computed in ``dtype`` (the model's), returned in float64: the step's four :math:`M_\beta
+    \times M_\alpha` products, its costliest arithmetic. Their rounding in float32 perturbs the preconditioner
+    :math:`\tilde{\mathbf H}`, the diagonal estimates and the prior's part of the step size's curvature by about
+    :math:`10^{-7}` relative, which changes neither the direction's descent nor the bound; with float64 models
+    everything is float64."""
+    return (left.to(dtype) @ right.to(dtype)).to(torch.float64)
 
 
 def _squared_column_norms(matrix: Tensor) -> Tensor:

@@ -453,3 +453,25 @@ def test_decoupled_step_is_the_same_through_either_whitener(monkeypatch) -> None
         runs.append(_process(model))
     for eigen, cholesky in zip(runs[1], runs[0], strict=True):
         torch.testing.assert_close(eigen, cholesky, rtol=1e-10, atol=1e-12)
+
+
+def test_float32_products_leave_a_float32_models_step_at_its_rounding(monkeypatch) -> None:
+    # A float32 model's step runs its four M_beta x M_alpha products in float32 (everything else in float64). Against
+    # the same model's step with those products in float64, three steps agree to float32's rounding (bfloat16
+    # products, about 3 significant digits, miss the tolerance).
+    float64_product = decoupled_natural_step_module._product
+    runs = {}
+    for products in ("float32", "float64"):
+        if products == "float64":
+            monkeypatch.setattr(
+                decoupled_natural_step_module, "_product", lambda left, right, dtype: float64_product(left, right, F64)
+            )
+        model, likelihood, alpha, beta, X, y = _decoupled_problem()
+        gen = generator(11)
+        set_decoupled_state(model, randn(16, gen=gen), random_factor(6, gen, scale=0.7))
+        model, likelihood = model.float(), likelihood.float()
+        _elbo_steps(model, likelihood, X.float(), y.float(), MeanBasisAdam(model), 3)
+        runs[products] = _process(model)
+    for single, double in zip(runs["float32"], runs["float64"], strict=True):
+        assert single.dtype == torch.float32
+        torch.testing.assert_close(single, double, rtol=2e-5, atol=2e-6)
