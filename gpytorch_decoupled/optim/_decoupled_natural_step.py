@@ -71,9 +71,10 @@ def decoupled_natural_step(
       (one evaluation of :math:`\mathbf K_{C\alpha}` per KL).
 
     The kernel blocks between the mean basis and :math:`[\beta; \mathbf x]` are evaluated in blocks of
-    ``kl_block_size`` mean-basis points and kept for the step size; the four products of :math:`M_\alpha \times
-    M_\beta^2` (three :math:`M_\beta \times M_\beta` matrices by :math:`\mathbf K_{\beta\alpha}`, and
-    :math:`\mathbf U\mathbf E^{-1}\mathbf U^\top`) run in the model's dtype, everything else in float64,
+    ``kl_block_size`` mean-basis points and kept for the step size; these blocks, the :math:`M_\beta \times
+    M_\alpha` products (three :math:`M_\beta \times M_\beta` matrices by :math:`\mathbf K_{\beta\alpha}`) and
+    :math:`\mathbf U\mathbf E^{-1}\mathbf U^\top` are in the model's dtype, their reductions and everything else
+    in float64,
     :math:`O(M_\alpha (M_\beta^2 + n D))` time (the diagonal's projected
     part is :math:`\operatorname{diag}(\mathbf K_{\alpha\beta}\mathbf P\mathbf K_{\beta\alpha})` with
     :math:`\mathbf P = \mathbf X\boldsymbol\Phi\boldsymbol\Lambda_m\boldsymbol\Phi^\top\mathbf X^\top`)
@@ -109,12 +110,12 @@ def decoupled_natural_step(
     data_map = pseudo_inverse @ prior.dense(0, 1).to(f64)  # X Phi = K_beta^+ K_beta,x, (..., M_beta, n)
     precision_target = weighted_gram(data_map, mean_weights)  # X Phi L_m Phi^T X^T
     beta_alpha, alpha_variances, data_diagonal, data_blocks = _mean_basis_blocks(strategy, inputs, mean_weights)
-    working = beta_alpha.dtype  # the M_beta x M_alpha products run in the model's dtype (see _product)
-    projection = _product(whitener.mT, beta_alpha, working)  # W
+    # The M_beta x M_alpha blocks stay in the model's dtype (see _product); their reductions are float64.
+    projection = _product(whitener.mT, beta_alpha)  # W
     projected_variances = _squared_column_norms(projection)  # diag(K_ab K_b^+ K_ba)
     # What the projection through beta misses of the data's curvature on the mean basis's diagonal:
     # diag(K_ax L_m K_xa) - diag(K_ab P K_ba), P the precision target.
-    data_residual = data_diagonal - (_product(precision_target, beta_alpha, working) * beta_alpha).sum(-2)
+    data_residual = data_diagonal - (_product(precision_target, beta_alpha) * beta_alpha).sum(-2).to(f64)
     # Running averages of the data's curvature for the mean, at the covariance's rate (bias-corrected as Adam's
     # moments): in the covariance basis, as a precision like B, and on the diagonal of the mean basis.
     steps = state.get("step", torch.zeros((), dtype=f64)).to(f64) + 1
@@ -140,24 +141,23 @@ def decoupled_natural_step(
         )
     # U^T U = K_ab (c K_b^+ + P_avg) K_ba = K_ab R R^T K_ba: M_beta rows.
     curvature_root = _square_root(weight * pseudo_inverse + new_state["mean_precision"] / bias)  # R
-    rows = _product(curvature_root.mT, beta_alpha, working)  # U = R^T K_ba
+    rows = _product(curvature_root.mT, beta_alpha)  # U = R^T K_ba
     exact_diagonal = (weight[..., 0] * residual_variances + data_residual).clamp_min(0)
     # A column-sampled KL's gradient is noisier the fewer rows it draws: the damping grows with the sampling ratio.
     sampling_ratio = max((a.size(-1) / drawn.numel() for drawn, _ in curvature.kl_samples), default=1.0)
     damping = damping * sampling_ratio
     diagonal = exact_diagonal + damping * (exact_diagonal + _squared_column_norms(rows)).mean(-1, keepdim=True)  # E
-    scaled_rows = rows / diagonal.unsqueeze(-2)
-    inner = _product(scaled_rows, rows.mT, working)
+    scaled_rows = rows / diagonal.unsqueeze(-2).to(rows.dtype)
+    inner = (scaled_rows @ rows.mT).to(f64)
     inner = inner + torch.eye(inner.size(-1), dtype=f64, device=inner.device)
     inner_factor = jittered_cholesky(inner, name="MeanBasisAdam I + U E^-1 U^T")
     direction = gradient / diagonal
-    correction = scaled_rows.mT @ cholesky_solve(inner_factor, rows @ direction.unsqueeze(-1))
-    direction = direction - correction.squeeze(-1)  # d = H~^-1 g
+    solved = cholesky_solve(inner_factor, _matvec(rows, direction).unsqueeze(-1)).squeeze(-1)
+    direction = direction - _matvec(scaled_rows.mT, solved)  # d = H~^-1 g
     # No step beyond the minimum along d of the quadratic model with this step's exact data curvature,
     # d^T H d = ||Lambda_m^1/2 K_xa d||^2 + c (||W d||^2 + d^T diag(K_alpha - W^T W) d), against d^T H~ d = d^T g.
     model_curvature = (mean_weights * _data_values(data_blocks, direction).pow(2)).sum(-1) + weight[..., 0, 0] * (
-        _squared_column_norms(projection @ direction.unsqueeze(-1)).squeeze(-1)
-        + (residual_variances * direction.pow(2)).sum(-1)
+        _matvec(projection, direction).pow(2).sum(-1) + (residual_variances * direction.pow(2)).sum(-1)
     )
     decrease = (direction * gradient).sum(-1)
     step_size = torch.where((decrease > 0) & (lr * model_curvature > decrease), decrease / model_curvature, lr)
@@ -180,7 +180,8 @@ def _padded(previous: Tensor | None, like: Tensor) -> Tensor:
 def _mean_basis_blocks(
     strategy: DecoupledVariationalStrategy, inputs: Tensor, weights: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    r""":math:`\mathbf K_{\beta\alpha}` in the model's dtype, :math:`\operatorname{diag}(\mathbf K_\alpha)` and
+    r""":math:`\mathbf K_{\beta\alpha}` and the blocks of :math:`\mathbf K_{\alpha\mathbf x}` in the model's dtype,
+    :math:`\operatorname{diag}(\mathbf K_\alpha)` and
     :math:`\operatorname{diag}(\mathbf K_{\alpha\mathbf x}\boldsymbol\Lambda_m\mathbf K_{\mathbf x\alpha})` in
     float64, from one evaluation of the prior at :math:`[\beta; \mathbf x; \alpha_{\rm block}]` per block of
     mean-basis points (the :math:`M_\alpha \times n` block is never held whole)."""
@@ -190,9 +191,9 @@ def _mean_basis_blocks(
     blocks, data_blocks = [], []
     for start in range(0, mean_points.size(-2), block_size):
         prior = joint_prior(strategy.model, strategy.inducing_points, inputs, mean_points[start : start + block_size])
-        data_blocks.append(prior.dense(2, 1))
-        cross = data_blocks[-1].to(f64)
-        data_diagonal = ((cross * cross) @ weights.unsqueeze(-1)).squeeze(-1)
+        cross = prior.dense(2, 1)
+        data_blocks.append(cross)
+        data_diagonal = _matvec(cross * cross, weights)
         blocks.append((prior.dense(0, 2), prior.diagonal(2).to(f64), data_diagonal))
     return *(torch.cat(parts, dim=-1) for parts in zip(*blocks, strict=True)), data_blocks
 
@@ -201,8 +202,7 @@ def _data_values(data_blocks: list[Tensor], coefficients: Tensor) -> Tensor:
     r""":math:`\mathbf K_{\mathbf x\alpha}\mathbf v` in float64, from the blocks of
     :math:`\mathbf K_{\alpha\mathbf x}`."""
     parts = coefficients.split([block.size(-2) for block in data_blocks], dim=-1)
-    products = [block.to(coefficients).mT @ part.unsqueeze(-1) for block, part in zip(data_blocks, parts, strict=True)]
-    return sum(products).squeeze(-1)
+    return sum(_matvec(block.mT, part) for block, part in zip(data_blocks, parts, strict=True))
 
 
 def _kl_gradient_correction(
@@ -224,7 +224,7 @@ def _kl_gradient_correction(
     weights = [weight.to(f64).unsqueeze(-1) for _, weight in curvature.kl_samples]
     correction, residual = 0, 0
     for (rows, _), weight in zip(curvature.kl_samples, weights, strict=True):
-        row_block = joint_prior(strategy.model, mean_points[rows], mean_points).dense(0, 1).to(f64)  # K_Ca
+        row_block = joint_prior(strategy.model, mean_points[rows], mean_points).dense(0, 1)  # K_Ca
         sampled, sampled_residual = _sampled_residual_gradient(row_block, projection, residual_variances, a, rows)
         correction = correction - weight * sampled
         residual = residual + weight * sampled_residual
@@ -233,7 +233,7 @@ def _kl_gradient_correction(
     previous = state.get("kl_residual_gradient")
     average = residual if previous is None else torch.lerp(_padded(previous, residual), residual, rate)
     new_state["kl_residual_gradient"] = average
-    exact = (projection.mT @ (projection @ a.unsqueeze(-1))).squeeze(-1) + residual_variances * a  # K~ a
+    exact = _matvec(projection.mT, _matvec(projection, a)) + residual_variances * a  # K~ a
     return correction + total * (exact + average)
 
 
@@ -249,30 +249,38 @@ def _sampled_residual_gradient(
     :math:`(\mathbf K_\alpha - \tilde{\mathbf K})\mathbf a` over :math:`C`, whose diagonal is zero."""
     scale = 0.5 * a.size(-1) / rows.numel()
     residual_block = row_block - projection[..., rows].mT @ projection  # rows C of K_alpha - K~
-    residual_block[..., torch.arange(rows.numel(), device=rows.device), rows] -= residual_variances[..., rows]
+    diagonal = residual_variances[..., rows].to(residual_block.dtype)
+    residual_block[..., torch.arange(rows.numel(), device=rows.device), rows] -= diagonal
     return _column_sampled_gradient(row_block, a, rows, scale), _column_sampled_gradient(residual_block, a, rows, scale)
 
 
 def _column_sampled_gradient(row_block: Tensor, a: Tensor, rows: Tensor, scale: float) -> Tensor:
     r""":math:`s\,(\mathbf 1_C\odot\mathbf M\mathbf a + \mathbf M_{\cdot C}\mathbf a_C)` for a symmetric
     :math:`\mathbf M` of which ``row_block`` holds the rows :math:`C`."""
-    gradient = (row_block.mT @ a[..., rows].unsqueeze(-1)).squeeze(-1)
-    gradient[..., rows] += (row_block @ a.unsqueeze(-1)).squeeze(-1)
+    gradient = _matvec(row_block.mT, a[..., rows])
+    gradient[..., rows] += _matvec(row_block, a)
     return scale * gradient
 
 
-def _product(left: Tensor, right: Tensor, dtype: torch.dtype) -> Tensor:
-    r"""``left @ right`` computed in ``dtype`` (the model's), returned in float64: the step's four :math:`M_\beta
-    \times M_\alpha` products, its costliest arithmetic. Their rounding in float32 perturbs the preconditioner
-    :math:`\tilde{\mathbf H}`, the diagonal estimates and the prior's part of the step size's curvature by about
-    :math:`10^{-7}` relative, which changes neither the direction's descent nor the bound; with float64 models
-    everything is float64."""
-    return (left.to(dtype) @ right.to(dtype)).to(torch.float64)
+def _product(left: Tensor, block: Tensor) -> Tensor:
+    r"""``left @ block`` (a float64 :math:`M_\beta \times M_\beta` matrix, a kernel block of the model's dtype) in
+    the block's dtype. The step's :math:`M_\beta \times M_\alpha` blocks and their products, its costliest
+    arithmetic and memory, stay in the model's dtype, and what is reduced from them (column norms, products with
+    vectors, :math:`\mathbf U\mathbf E^{-1}\mathbf U^\top`) is taken to float64: for a float32 model their rounding
+    perturbs the preconditioner :math:`\tilde{\mathbf H}`, the diagonal estimates, the sampled KL's control variate
+    and the step size's curvature by about :math:`10^{-7}` relative, which changes neither the direction's descent
+    nor the bound; with float64 models everything is float64."""
+    return left.to(block.dtype) @ block
+
+
+def _matvec(matrix: Tensor, vector: Tensor) -> Tensor:
+    """``matrix @ vector`` in the matrix's dtype, returned in float64."""
+    return (matrix @ vector.to(matrix.dtype).unsqueeze(-1)).squeeze(-1).to(torch.float64)
 
 
 def _squared_column_norms(matrix: Tensor) -> Tensor:
-    """The squared Euclidean norms of a matrix's columns."""
-    return (matrix * matrix).sum(-2)
+    """The squared Euclidean norms of a matrix's columns, in float64."""
+    return (matrix * matrix).sum(-2).to(torch.float64)
 
 
 def _pseudo_inverse_root(matrix: Tensor, eps: float) -> Tensor:
