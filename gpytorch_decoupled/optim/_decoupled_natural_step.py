@@ -179,7 +179,7 @@ def _padded(previous: Tensor | None, like: Tensor) -> Tensor:
 
 def _mean_basis_blocks(
     strategy: DecoupledVariationalStrategy, inputs: Tensor, weights: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     r""":math:`\mathbf K_{\beta\alpha}` and the blocks of :math:`\mathbf K_{\alpha\mathbf x}` in the model's dtype,
     :math:`\operatorname{diag}(\mathbf K_\alpha)` and
     :math:`\operatorname{diag}(\mathbf K_{\alpha\mathbf x}\boldsymbol\Lambda_m\mathbf K_{\mathbf x\alpha})` in
