@@ -17,6 +17,7 @@ from benchmarks.peers.timing import time_steps
 
 TORCH_CONFIGS = (
     "gpytorch-svgp-adam",
+    "gpytorch-svgp-adam-compiled",
     "ours-svgp-natural-eager",
     "ours-svgp-natural-compiled",
     "ours-orthnat-eager",
@@ -32,13 +33,16 @@ def make_step(config: str, train_x, train_y, inducing, mean_inducing):
     from gpytorch_decoupled.training import TrainingStep
 
     family, _, mode = config.rpartition("-")
-    if family in ("gpytorch-svgp", "ours-svgp-natural"):
+    if config == "gpytorch-svgp-adam":  # GPyTorch's own eager step
+        family, mode = "gpytorch-svgp-adam", "general"
+    if family in ("gpytorch-svgp-adam", "ours-svgp-natural"):
+        # GPyTorch's SVGP (Cholesky q(u), Adam on everything: GPflow's SVGP-Adam model) or FastNatural + NGD + Adam
         natural = family == "ours-svgp-natural"
         method = SVGPMethod(train_x, train_y, num_inducing=inducing.size(0), natural=natural, fast_natural=natural)
         with torch.no_grad():  # the shared inducing inputs (the method draws its own with the same seed)
             method.model.variational_strategy.inducing_points.copy_(inducing)
         mll, optimizers = method.mll, method.optimizers
-        if not natural:
+        if mode == "general":
             return TrainingStep(mll, optimizers, lean=False)
     elif family == "ours-orthnat":
         from benchmarks.methods.orthogonal_method import OrthogonalMethod

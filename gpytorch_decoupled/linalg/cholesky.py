@@ -217,12 +217,14 @@ def _traceable_factor(A: Tensor, jitter: float | None, max_tries: int, name: str
         for k in range(max_tries):
             member_jitter = torch.where(info > 0, first_step * 10.0**k, member_jitter)
             factor, info = torch.linalg.cholesky_ex(_add_to_diagonal(matrix, member_jitter))
-        return torch.where((info > 0)[..., None, None], float("nan"), factor).contiguous()
+        return torch.where((info > 0)[..., None, None], float("nan"), factor).mT.contiguous()
 
+    # Both branches return the upper factor L^T in row-major order: LAPACK's L is column-major, so this is a plain
+    # copy (the branch's output may not alias its input) instead of a transposing one.
     def keep(matrix: Tensor, first: Tensor, info: Tensor, member_jitter: Tensor) -> Tensor:
-        return first.contiguous()
+        return first.mT.clone(memory_format=torch.contiguous_format)
 
-    return torch.cond(info.any(), escalate, keep, (A64, L, info, member_jitter)).to(A.dtype)
+    return torch.cond(info.any(), escalate, keep, (A64, L, info, member_jitter)).mT.to(A.dtype)
 
 
 def _add_to_diagonal(A: Tensor, values: Tensor) -> Tensor:

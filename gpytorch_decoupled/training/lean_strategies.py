@@ -16,6 +16,7 @@ DualSiteStatistics`), or None.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
@@ -34,55 +35,84 @@ from ..variational.dual_variational_strategy import whitened_posterior_factors, 
 MeanFunction = Callable[[Tensor], Tensor]
 
 
-def whitened_moments(distribution) -> tuple[Tensor, Tensor, Tensor] | None:
+class WhitenedQ(NamedTuple):
     r"""
-    :math:`\mathbf m`, dense :math:`\mathbf S` and :math:`\log\lvert\mathbf S\rvert` of a whitened
-    :math:`q(\mathbf u)` of a supported type, or None: a
-    :class:`~gpytorch_decoupled.variational.FastNaturalVariationalDistribution` or
-    :class:`~gpytorch.variational.CholeskyVariationalDistribution` without batch shape.
+    A whitened :math:`q(\mathbf u) = \mathcal N(\mathbf m, \mathbf S)` as the lean path uses it: :math:`\mathbf S`
+    either dense (natural distributions, whose map to the moments inverts the precision anyway) or by its lower
+    triangular root :math:`\mathbf R` with :math:`\mathbf S = \mathbf R\mathbf R^\top` (Cholesky distributions:
+    :math:`\mathbf S` is never formed, which saves an :math:`M^3` product forward and two backward per step).
     """
-    if type(distribution) is FastNaturalVariationalDistribution and distribution.natural_vec.dim() == 1:
-        return distribution.moments()
-    if type(distribution) is CholeskyVariationalDistribution and distribution.variational_mean.dim() == 1:
-        factor = distribution.chol_variational_covar.tril()
-        logdet = 2.0 * factor.diagonal().abs().log().sum()
-        return distribution.variational_mean, factor @ factor.mT, logdet
-    return None
+
+    mean: Tensor
+    covariance: Tensor | None
+    root: Tensor | None
+    logdet: Tensor
+
+    def trace(self) -> Tensor:
+        r""":math:`\operatorname{tr}\mathbf S`."""
+        if self.root is not None:
+            return self.root.pow(2).sum((-2, -1))
+        return self.covariance.diagonal(dim1=-2, dim2=-1).sum(-1)
+
+    def excess_variances(self, interp: Tensor) -> Tensor:
+        r""":math:`\mathbf w_n^\top(\mathbf S - \mathbf I)\mathbf w_n` for the columns :math:`\mathbf w_n` of
+        ``interp``: :math:`\lVert\mathbf R^\top\mathbf w_n\rVert^2 - \lVert\mathbf w_n\rVert^2` from the root."""
+        if self.root is not None:
+            return (self.root.mT @ interp).pow(2).sum(-2) - interp.pow(2).sum(-2)
+        eye = torch.eye(self.mean.size(-1), dtype=self.mean.dtype, device=self.mean.device)
+        return (interp * ((self.covariance - eye) @ interp)).sum(-2)
+
+    def kl(self) -> Tensor:
+        r""":math:`\mathrm{KL}[\mathcal N(\mathbf m, \mathbf S) \Vert \mathcal N(\mathbf 0, \mathbf I)]`."""
+        return 0.5 * (self.trace() + self.mean.pow(2).sum(-1) - self.mean.size(-1) - self.logdet)
 
 
-def _standard_normal_kl(mean: Tensor, covariance: Tensor, logdet: Tensor) -> Tensor:
-    r""":math:`\mathrm{KL}[\mathcal N(\mathbf m, \mathbf S) \Vert \mathcal N(\mathbf 0, \mathbf I)]`."""
-    trace = covariance.diagonal(dim1=-2, dim2=-1).sum(-1)
-    return 0.5 * (trace + mean.pow(2).sum(-1) - mean.size(-1) - logdet)
+def supports_whitened_q(distribution) -> bool:
+    r"""Whether the lean path computes :math:`q(\mathbf u)` of ``distribution`` (:func:`whitened_q`): a
+    :class:`~gpytorch_decoupled.variational.FastNaturalVariationalDistribution` or a
+    :class:`~gpytorch.variational.CholeskyVariationalDistribution`, without batch shape."""
+    if type(distribution) is FastNaturalVariationalDistribution:
+        return distribution.natural_vec.dim() == 1
+    return type(distribution) is CholeskyVariationalDistribution and distribution.variational_mean.dim() == 1
+
+
+def whitened_q(distribution) -> WhitenedQ:
+    r"""The whitened :math:`q(\mathbf u)` of a supported distribution (:func:`supports_whitened_q`): dense
+    :math:`\mathbf S` from a natural distribution, the lower triangle of a Cholesky distribution's factor as the
+    root."""
+    if type(distribution) is FastNaturalVariationalDistribution:
+        mean, covariance, logdet = distribution.moments()
+        return WhitenedQ(mean, covariance, None, logdet)
+    root = distribution.chol_variational_covar.tril()
+    logdet = 2.0 * root.diagonal().abs().log().sum()
+    return WhitenedQ(distribution.variational_mean, None, root, logdet)
 
 
 def _whitened_block(
     strategy, kernel: LeanKernel, x: Tensor, data_cross: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
+) -> tuple[Tensor, Tensor, Tensor, WhitenedQ]:
     r"""
     GPyTorch's whitened SVGP block: the factor :math:`\mathbf L` of :math:`\mathbf K_{\mathbf{uu}} + \epsilon\mathbf I`
     (float64, escalating jitter), :math:`\mathbf W = \mathbf L^{-1}\mathbf K_{\mathbf u\mathbf x}`, the marginal
     variances :math:`k(\mathbf x_n, \mathbf x_n) + \epsilon + \mathbf w_n^\top(\mathbf S - \mathbf I)\mathbf w_n` and
-    :math:`q(\mathbf u)`'s moments.
+    :math:`q(\mathbf u)`.
     """
     z = strategy.inducing_points
-    moments = whitened_moments(strategy._variational_distribution)
+    q = whitened_q(strategy._variational_distribution)
     jitter = strategy.jitter_val
     prior = kernel(z, z)
     prior = prior + jitter * torch.eye(z.size(-2), dtype=z.dtype, device=z.device)
     factor = jittered_cholesky(prior, name="K_uu")
     cross = kernel(z, x) if data_cross is None else data_cross
     interp = solve_lower(factor, cross)
-    mean, covariance, _ = moments
-    middle = covariance - torch.eye(z.size(-2), dtype=z.dtype, device=z.device)
-    variance = kernel.diagonal(x) + jitter + (interp * (middle @ interp)).sum(-2)
-    return factor, interp, variance, moments
+    variance = kernel.diagonal(x) + jitter + q.excess_variances(interp)
+    return factor, interp, variance, q
 
 
 def _svgp_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
-    _, interp, variance, moments = _whitened_block(strategy, kernel, x)
-    mean = prior_mean(x) + interp.mT @ moments[0]
-    return mean, variance, _standard_normal_kl(*moments), None
+    _, interp, variance, q = _whitened_block(strategy, kernel, x)
+    mean = prior_mean(x) + interp.mT @ q.mean
+    return mean, variance, q.kl(), None
 
 
 def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
@@ -101,15 +131,15 @@ def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction,
     values = kernel(torch.cat([beta, x], dim=-2), gamma) @ coefficients
     beta_values, data_values = values.split([beta.size(-2), x.size(-2)], dim=-1)
     quadratic_form = kernel.quadratic_form(gamma, coefficients)
-    factor, interp, variance, moments = _whitened_block(strategy, kernel, x)
+    factor, interp, variance, q = _whitened_block(strategy, kernel, x)
     coordinates = torch.linalg.solve_triangular(factor, beta_values.unsqueeze(-1), upper=False).squeeze(-1)
-    kl = _standard_normal_kl(*moments)
+    kl = q.kl()
     if type(strategy) is OrthogonallyDecoupledVariationalStrategy:
-        block_mean = moments[0] - coordinates
+        block_mean = q.mean - coordinates
         kl = kl + 0.5 * (quadratic_form - coordinates.pow(2).sum(-1))
     else:
-        block_mean = moments[0]
-        kl = kl + (moments[0] * coordinates).sum(-1) + 0.5 * quadratic_form
+        block_mean = q.mean
+        kl = kl + (q.mean * coordinates).sum(-1) + 0.5 * quadratic_form
     mean = prior_mean(x) + interp.mT @ block_mean + data_values
     return mean, variance, kl, None
 
@@ -146,7 +176,7 @@ def _supports_svgp(strategy) -> str | None:
         return "the inducing points have a batch shape"
     if not strategy.updated_strategy.item():
         return "the strategy was loaded from a checkpoint of GPyTorch < 1.4 and is not whitened yet"
-    if whitened_moments(strategy._variational_distribution) is None:
+    if not supports_whitened_q(strategy._variational_distribution):
         name = type(strategy._variational_distribution).__name__
         return f"{name} (supported: FastNaturalVariationalDistribution, CholeskyVariationalDistribution)"
     return None
@@ -155,7 +185,7 @@ def _supports_svgp(strategy) -> str | None:
 def _supports_residual_mean(strategy) -> str | None:
     if strategy.inducing_points.dim() != 2:
         return "the inducing points have a batch shape"
-    if whitened_moments(strategy._variational_distribution) is None:
+    if not supports_whitened_q(strategy._variational_distribution):
         name = type(strategy._variational_distribution).__name__
         return f"{name} (supported: FastNaturalVariationalDistribution, CholeskyVariationalDistribution)"
     basis = strategy.mean_basis

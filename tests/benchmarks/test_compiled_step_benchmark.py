@@ -26,7 +26,10 @@ def test_compiled_step_tiny_run(tmp_path, capsys):
     assert set(payload["machine"]["load_average"]) == {"start", "end"}
 
 
-@pytest.mark.parametrize("config", ["ours-svgp-natural-compiled", "ours-orthnat-compiled", "ours-tsvgp-compiled"])
+@pytest.mark.parametrize(
+    "config",
+    ["gpytorch-svgp-adam-compiled", "ours-svgp-natural-compiled", "ours-orthnat-compiled", "ours-tsvgp-compiled"],
+)
 def test_compiled_configurations_take_the_lean_path(config, recwarn):
     # a fallback would time the eager step under the compiled name; the worker refuses it (RuntimeError)
     import torch
