@@ -6,6 +6,7 @@ the KL divergence from a whitened prior."""
 from ._squared_distance_quadratic_form import squared_distance_quadratic_form
 from .cholesky import jittered_cholesky, reset_jitter_warnings
 from .congruence import congruence
+from .diagonal import add_to_diagonal, identity_like
 from .finite import all_finite
 from .kernel_matvec import kernel_matvec
 from .kernel_quadratic_form import kernel_quadratic_form
@@ -29,12 +30,14 @@ from .whitened_kl import whitened_kl
 
 __all__ = [
     "LeanKernel",
+    "add_to_diagonal",
     "all_finite",
     "cholesky_logdet",
     "cholesky_solve",
     "coefficient_proportional_rows",
     "column_sampled_quadratic_form",
     "congruence",
+    "identity_like",
     "jittered_cholesky",
     "kernel_keep_size",
     "kernel_matvec",

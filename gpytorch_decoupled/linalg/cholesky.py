@@ -10,6 +10,7 @@ from linear_operator.utils.errors import NotPSDError
 from torch import Tensor
 
 from ._unbound_function import UnboundFunction
+from .diagonal import add_to_diagonal
 from .finite import all_finite
 from .triangular import solve_lower, solve_lower_transpose
 
@@ -158,7 +159,7 @@ def _factor(A: Tensor, jitter: float | None, max_tries: int, name: str) -> Tenso
     """The jittered float64 factorization of :func:`jittered_cholesky` (no gradient), in the dtype of ``A``."""
     A64 = A.to(torch.float64)
     member_jitter = torch.full(A.shape[:-2], jitter or 0.0, dtype=A64.dtype, device=A64.device)
-    L, info = torch.linalg.cholesky_ex(_add_to_diagonal(A64, member_jitter) if jitter else A64)
+    L, info = torch.linalg.cholesky_ex(add_to_diagonal(A64, member_jitter) if jitter else A64)
     if not info.any():
         return L.to(A.dtype)
 
@@ -177,7 +178,7 @@ def _factor(A: Tensor, jitter: float | None, max_tries: int, name: str) -> Tenso
         failed = info > 0
         member_jitter = torch.where(failed, first_step * 10.0**k, member_jitter)
         escalated = escalated | failed
-        L, info = torch.linalg.cholesky_ex(_add_to_diagonal(A64, member_jitter))
+        L, info = torch.linalg.cholesky_ex(add_to_diagonal(A64, member_jitter))
         if not info.any():
             break
     else:
@@ -205,7 +206,7 @@ def _traceable_factor(A: Tensor, jitter: float | None, max_tries: int, name: str
     that never factorizes gets a NaN factor instead of an error."""
     A64 = A.to(torch.float64)
     member_jitter = torch.full(A.shape[:-2], jitter or 0.0, dtype=A64.dtype, device=A64.device)
-    L, info = torch.linalg.cholesky_ex(_add_to_diagonal(A64, member_jitter) if jitter else A64)
+    L, info = torch.linalg.cholesky_ex(add_to_diagonal(A64, member_jitter) if jitter else A64)
 
     def escalate(matrix: Tensor, first: Tensor, info: Tensor, member_jitter: Tensor) -> Tensor:
         if jitter:
@@ -216,7 +217,7 @@ def _traceable_factor(A: Tensor, jitter: float | None, max_tries: int, name: str
             first_step = _RELATIVE_JITTER.get(A.dtype, _RELATIVE_JITTER_DEFAULT) * scale
         for k in range(max_tries):
             member_jitter = torch.where(info > 0, first_step * 10.0**k, member_jitter)
-            factor, info = torch.linalg.cholesky_ex(_add_to_diagonal(matrix, member_jitter))
+            factor, info = torch.linalg.cholesky_ex(add_to_diagonal(matrix, member_jitter))
         return torch.where((info > 0)[..., None, None], float("nan"), factor).mT.contiguous()
 
     # Both branches return the upper factor L^T in row-major order: LAPACK's L is column-major, so this is a plain
@@ -225,10 +226,3 @@ def _traceable_factor(A: Tensor, jitter: float | None, max_tries: int, name: str
         return first.mT.clone(memory_format=torch.contiguous_format)
 
     return torch.cond(info.any(), escalate, keep, (A64, L, info, member_jitter)).mT.to(A.dtype)
-
-
-def _add_to_diagonal(A: Tensor, values: Tensor) -> Tensor:
-    # In place on a copy: cheaper than adding a materialized diagonal matrix, and autograd still sees A.
-    A = A.clone()
-    A.diagonal(dim1=-2, dim2=-1).add_(values.unsqueeze(-1))
-    return A

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import torch
+import torch  # noqa: F401 (the example's namespace)
 from torch import Tensor
 
+from .diagonal import identity_like
 from .triangular import cholesky_logdet, solve_lower
 
 
@@ -46,7 +47,6 @@ def whitened_kl(
         https://arxiv.org/abs/1711.10127
     """
     size = precision_cholesky.size(-1)
-    eye = torch.eye(size, dtype=precision_cholesky.dtype, device=precision_cholesky.device)
-    trace_inverse = solve_lower(precision_cholesky, eye).pow(2).sum((-2, -1))
+    trace_inverse = solve_lower(precision_cholesky, identity_like(precision_cholesky)).pow(2).sum((-2, -1))
     terms = trace_inverse if mean is None else trace_inverse + mean.pow(2).sum(-1)
     return 0.5 * (terms - size + cholesky_logdet(precision_cholesky))

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..linalg import cholesky_solve, jittered_cholesky, solve_lower, weighted_gram
+from ..linalg import add_to_diagonal, cholesky_solve, jittered_cholesky, solve_lower, weighted_gram
 from ..variational import DecoupledCurvature, DecoupledVariationalStrategy, joint_prior
 from .online_basis_growth import zero_padded
 
@@ -149,7 +149,7 @@ def decoupled_natural_step(
     diagonal = exact_diagonal + damping * (exact_diagonal + _squared_column_norms(rows)).mean(-1, keepdim=True)  # E
     scaled_rows = rows / diagonal.unsqueeze(-2).to(rows.dtype)
     inner = (scaled_rows @ rows.mT).to(f64)
-    inner = inner + torch.eye(inner.size(-1), dtype=f64, device=inner.device)
+    inner = add_to_diagonal(inner, 1.0)
     inner_factor = jittered_cholesky(inner, name="MeanBasisAdam I + U E^-1 U^T")
     direction = gradient / diagonal
     solved = cholesky_solve(inner_factor, _matvec(rows, direction).unsqueeze(-1)).squeeze(-1)

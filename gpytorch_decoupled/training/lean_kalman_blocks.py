@@ -4,7 +4,7 @@ import torch
 from gpytorch.likelihoods import GaussianLikelihood
 from torch import Tensor
 
-from ..linalg import LeanKernel, symmetrized
+from ..linalg import LeanKernel, add_to_diagonal, symmetrized
 from ..variational import KalmanIncrements, KalmanVariationalStrategy, ObservationTerms
 from .lean_elbo import prior_mean, unsupported_prior
 from .lean_likelihood import LeanLikelihood
@@ -97,7 +97,7 @@ class LeanKalmanBlocks(torch.nn.Module):
 
     def _jittered(self, covariance: Tensor) -> Tensor:
         jitter = self.model.variational_strategy.jitter_val
-        return covariance + jitter * torch.eye(covariance.size(-1), dtype=covariance.dtype, device=covariance.device)
+        return add_to_diagonal(covariance, jitter)
 
     def increments(self, terms: ObservationTerms, psi: Tensor) -> tuple[KalmanIncrements, Tensor]:
         r"""The mini-batch's increments of the state and its bound term, detached (the strategy's ``increments``), and

@@ -22,7 +22,7 @@ import torch
 from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
 from torch import Tensor
 
-from ..linalg import LeanKernel, jittered_cholesky, kernel_keep_size, solve_lower, whitened_kl
+from ..linalg import LeanKernel, add_to_diagonal, jittered_cholesky, kernel_keep_size, solve_lower, whitened_kl
 from ..variational import (
     DualSiteStatistics,
     DualVariationalStrategy,
@@ -59,8 +59,7 @@ class WhitenedQ(NamedTuple):
         ``interp``: :math:`\lVert\mathbf R^\top\mathbf w_n\rVert^2 - \lVert\mathbf w_n\rVert^2` from the root."""
         if self.root is not None:
             return (self.root.mT @ interp).pow(2).sum(-2) - interp.pow(2).sum(-2)
-        eye = torch.eye(self.mean.size(-1), dtype=self.mean.dtype, device=self.mean.device)
-        return (interp * ((self.covariance - eye) @ interp)).sum(-2)
+        return (interp * (add_to_diagonal(self.covariance, -1.0) @ interp)).sum(-2)
 
     def kl(self) -> Tensor:
         r""":math:`\mathrm{KL}[\mathcal N(\mathbf m, \mathbf S) \Vert \mathcal N(\mathbf 0, \mathbf I)]`."""
@@ -101,7 +100,7 @@ def _whitened_block(
     q = whitened_q(strategy._variational_distribution)
     jitter = strategy.jitter_val
     prior = kernel(z, z)
-    prior = prior + jitter * torch.eye(z.size(-2), dtype=z.dtype, device=z.device)
+    prior = add_to_diagonal(prior, jitter)
     factor = jittered_cholesky(prior, name="K_uu")
     cross = kernel(z, x) if data_cross is None else data_cross
     interp = solve_lower(factor, cross)
@@ -158,7 +157,7 @@ def _dual_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tenso
     z = strategy.inducing_points
     size = z.size(-2)
     rows = kernel(z, torch.cat([z, x], dim=-2))
-    prior = rows[..., :size] + strategy.jitter_val * torch.eye(size, dtype=z.dtype, device=z.device)
+    prior = add_to_diagonal(rows[..., :size], strategy.jitter_val)
     prior_chol = jittered_cholesky(prior, name="DualVariationalStrategy K_uu")
     sites = strategy._variational_distribution()
     factors = whitened_posterior_factors(prior_chol, *whitened_u_space_sites(prior_chol, *sites))

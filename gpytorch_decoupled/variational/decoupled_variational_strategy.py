@@ -11,7 +11,7 @@ from linear_operator import to_linear_operator
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from ..linalg import jittered_cholesky, solve_lower, whitened_kl
+from ..linalg import add_to_diagonal, jittered_cholesky, solve_lower, whitened_kl
 from ._direct_variational_strategy import _DirectVariationalStrategy
 from ._replace_tensor import replace_tensor
 from ._strategy_multivariate_normal import _StrategyMultivariateNormal
@@ -249,7 +249,7 @@ class DecoupledVariationalStrategy(_DirectVariationalStrategy):
             return chol
         factor = self.precision_factor.double()
         inner = factor.mT @ beta_covariance.double() @ factor
-        inner = inner + torch.eye(inner.size(-1), dtype=inner.dtype, device=inner.device)
+        inner = add_to_diagonal(inner, 1.0)
         chol = jittered_cholesky(inner, jitter=self._jitter_val, name="DecoupledVariationalStrategy H")
         self._inner_cholesky_factor = chol
         return chol

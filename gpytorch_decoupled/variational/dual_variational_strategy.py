@@ -13,6 +13,7 @@ from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator, 
 from torch import Tensor
 
 from ..linalg import (
+    add_to_diagonal,
     all_finite,
     cholesky_logdet,
     cholesky_solve,
@@ -305,8 +306,7 @@ class DualVariationalStrategy(_DirectVariationalStrategy):
         num_inducing = inducing_points.size(-2)
         prior_covariance = None
         if inducing_points.shape[:-2] == x.shape[:-2]:
-            eye = torch.eye(num_inducing, dtype=inducing_rows.dtype, device=inducing_rows.device)
-            prior_covariance = inducing_rows[..., :num_inducing] + self.jitter_val * eye
+            prior_covariance = add_to_diagonal(inducing_rows[..., :num_inducing], self.jitter_val)
         return prior.mean(1), prior_covariance, inducing_rows[..., num_inducing:], prior
 
     def _marginals(
@@ -617,8 +617,7 @@ def whitened_posterior_factors(
     :math:`\mathbf H = \mathbf I + \mathbf P` (float64 factorization with escalating jitter). Plain tensor
     operations: the strategy's training pass and the compiled t-SVGP iteration
     (:func:`~gpytorch_decoupled.training.compile_training_step`) both compute :math:`q` here."""
-    eye = torch.eye(whitened_precision.size(-1), dtype=whitened_precision.dtype, device=whitened_precision.device)
-    inner_chol = jittered_cholesky(whitened_precision + eye, name="DualVariationalStrategy H")
+    inner_chol = jittered_cholesky(add_to_diagonal(whitened_precision, 1.0), name="DualVariationalStrategy H")
     whitened_mean = cholesky_solve(inner_chol, whitened_site_mean.unsqueeze(-1)).squeeze(-1)
     return DualPosteriorFactors(prior_chol, whitened_precision, inner_chol, whitened_site_mean, whitened_mean)
 

@@ -11,7 +11,7 @@ from gpytorch.variational import IndependentMultitaskVariationalStrategy
 from linear_operator.operators import DiagLinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from ..linalg import cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower, symmetrized
+from ..linalg import add_to_diagonal, cholesky_logdet, cholesky_solve, jittered_cholesky, solve_lower, symmetrized
 from ..validation import check_targets, check_tensor
 from ._direct_variational_strategy import _DirectVariationalStrategy
 from ._fantasies import checked_fantasy_data, fantasy_copy, latent_fantasy_data, task_noise_variances
@@ -592,8 +592,7 @@ class KalmanVariationalStrategy(_DirectVariationalStrategy):
 
     # ------------------------------------------------------------------ prior blocks (float64)
     def _jittered(self, covariance: Tensor) -> Tensor:
-        eye = torch.eye(covariance.size(-1), dtype=covariance.dtype, device=covariance.device)
-        return covariance + self.jitter_val * eye
+        return add_to_diagonal(covariance, self.jitter_val)
 
     def _checked_batch(self, prior: MultivariateNormal, predictive: bool = False) -> None:
         """The kernel's batch shape must broadcast to the latents' (a kernel may be shared by every latent);
