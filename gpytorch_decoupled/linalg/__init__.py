@@ -18,6 +18,7 @@ from .landmark_quadratic_form import (
 from .lean_kernel import LeanKernel
 from .quadratic_form import column_sampled_quadratic_form
 from .settings import kernel_keep_size, kernel_tile_size
+from .thin_cross_product import thin_cross_product
 from .triangular import (
     cholesky_logdet,
     cholesky_solve,
@@ -50,6 +51,7 @@ __all__ = [
     "solve_lower_transpose",
     "squared_distance_quadratic_form",
     "symmetrized",
+    "thin_cross_product",
     "weighted_gram",
     "whitened_kl",
 ]
