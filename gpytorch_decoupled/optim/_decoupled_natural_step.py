@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..linalg import add_to_diagonal, cholesky_solve, jittered_cholesky, solve_lower, weighted_gram
+from ..linalg import add_to_diagonal, cholesky_solve, identity_like, jittered_cholesky, solve_lower, weighted_gram
 from ..variational import DecoupledCurvature, DecoupledVariationalStrategy, joint_prior
 from .online_basis_growth import zero_padded
 
@@ -294,7 +294,7 @@ def _pseudo_inverse_root(matrix: Tensor, eps: float) -> Tensor:
     size = matrix.size(-1)
     factor, info = torch.linalg.cholesky_ex(matrix)
     if not info.any():
-        inverse_factor = solve_lower(factor, torch.eye(size, dtype=matrix.dtype, device=matrix.device))  # L^-1
+        inverse_factor = solve_lower(factor, identity_like(matrix))  # L^-1
         largest_bound = matrix.abs().sum(-1).amax(-1)
         if (inverse_factor.pow(2).sum((-2, -1)) * eps * size * largest_bound < 1).all():
             return inverse_factor.mT

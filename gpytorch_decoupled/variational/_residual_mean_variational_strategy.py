@@ -28,6 +28,7 @@ from ..gpytorch_compat import (
     whitened_cholesky_factor,
 )
 from ..linalg import (
+    add_to_diagonal,
     jittered_cholesky,
     landmark_controlled_estimate,
     landmark_quadratic_form,
@@ -336,10 +337,11 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
             # k_xx + diag(W^T (S - I) W) (the whitened prior is N(0, I)); the off-diagonal entries are not computed.
             whitened = solve_lower(chol.to_dense().type(induc_data_covar.dtype), induc_data_covar)
             mean_update = (whitened * block_mean.unsqueeze(-1)).sum(-2)
-            middle = -torch.eye(whitened.size(-2), dtype=whitened.dtype, device=whitened.device)
-            if variational_inducing_covar is not None:
-                middle = variational_inducing_covar.to_dense() + middle
-            variance_update = ((middle @ whitened) * whitened).sum(-2)
+            if variational_inducing_covar is None:  # S = 0
+                variance_update = -whitened.pow(2).sum(-2)
+            else:
+                middle = add_to_diagonal(variational_inducing_covar.to_dense(), -1.0)
+                variance_update = ((middle @ whitened) * whitened).sum(-2)
             variances = prior.diagonal(data) + self.jitter_val + variance_update
             return prior.mean(data) + mean_update, DiagLinearOperator(variances)
         mean_update, covariance_update = compute_predictive_updates(
@@ -459,9 +461,9 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
             # A = L^-1 K_{b b'}: the old whitened coordinates of the new covariance basis functions
             cross_covariance = self.mean_basis.cross_covariance(old, new).to_dense()
             projection = old_chol.solve(cross_covariance.type(old_chol.dtype)).type(old.dtype)
-            eye = torch.eye(old.size(-2), dtype=old.dtype, device=old.device)
             new_prior = self.model.forward(new).lazy_covariance_matrix.add_jitter(self.jitter_val)
-            new_covariance = new_prior.to_dense() + projection.mT @ (q.covariance_matrix - eye) @ projection
+            excess = add_to_diagonal(q.covariance_matrix, -1.0)
+            new_covariance = new_prior.to_dense() + projection.mT @ excess @ projection
             unwhitened_block = (projection.mT @ block_mean.unsqueeze(-1)).squeeze(-1)
             # New gamma points come with zero coefficients, so the mean basis at beta' is known already.
             new_values = self.mean_basis.values(new, self.mean_coefficients)
