@@ -46,6 +46,7 @@ __all__ = [
     "check_positive_number",
     "check_targets",
     "check_tensor",
+    "checks_target_values",
 ]
 
 # Likelihoods whose observations are labels (any numeric dtype), not real values in the model's dtype.
@@ -214,6 +215,13 @@ def check_labels(y: Tensor, name: str, likelihood: Likelihood | None, like: Tens
     check_finite(y, name)
     if isinstance(likelihood, BetaLikelihood) and not ((y > 0) & (y < 1)).all():
         raise ValueError(f"{name} must lie in (0, 1) for BetaLikelihood.")
+
+
+def checks_target_values(likelihood: Likelihood | None) -> bool:
+    """Whether :func:`check_targets` reads the targets' values for ``likelihood`` beyond their finiteness (labels of a
+    Bernoulli or softmax likelihood, the range of a Beta likelihood). For other likelihoods a target tensor of the
+    shape, dtype and device of one that passed is valid exactly when its entries are finite."""
+    return isinstance(likelihood, (*_LABEL_LIKELIHOODS, BetaLikelihood))
 
 
 def _shown(values: Tensor, limit: int = 6) -> str:

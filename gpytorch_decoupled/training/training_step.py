@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import types
 import warnings
 
@@ -9,7 +10,8 @@ from torch import Tensor
 
 from ..gpytorch_compat import initialize_variational_distribution
 from ..optim import DualEStep, MeanBasisAdam
-from ..validation import check_inputs, check_targets
+from ..linalg import all_finite
+from ..validation import check_inputs, check_targets, checks_target_values
 from ..variational import DualVariationalStrategy
 from .eager_training_step import eager_training_step
 from .lean_e_step import LeanEStep
@@ -97,6 +99,11 @@ class TrainingStep:
             optimizer if type(optimizer) is MeanBasisAdam else None for optimizer in gradient_optimizers
         ]
         self._function = torch.compile(_own_code(self._lean_step), **compile_options) if compile else self._lean_step
+        # Dynamo traces torch.autograd.grad into the graph only with this setting (else it breaks the graph there).
+        # One patch object for every call: making one costs more than entering it.
+        self._trace_autograd_ops = torch._dynamo.config.patch(trace_autograd_ops=True)
+        self._checked_signature: tuple | None = None
+        self._finiteness_suffices = not checks_target_values(self.likelihood)
 
     def _lean_step(
         self, x: Tensor, y: Tensor, draws: Tensor | None, e_step_lr: Tensor | None, rates: list | None = None
@@ -113,9 +120,16 @@ class TrainingStep:
         return value, e_step_done
 
     def _check(self, x: Tensor, y: Tensor) -> None:
+        """Validates the mini-batch before anything changes. A batch whose tensors have the types, shapes, dtypes and
+        devices of the last one that passed (against the same inducing points) is valid when its entries are finite,
+        which one reduction per tensor decides, unless the likelihood reads the targets' values (labels)."""
         reference = self.model.variational_strategy.inducing_points
+        signature = _signature(x, y, reference)
+        if signature == self._checked_signature and self._finiteness_suffices and all_finite(x, y):
+            return
         check_inputs(x, "x", reference, widths={reference.size(-1)}, dim=2, like_name="the inducing points")
         check_targets(y, "y", x.shape[:1], reference, self.likelihood)
+        self._checked_signature = signature
 
     def __call__(self, x: Tensor, y: Tensor) -> Tensor:
         """Takes one step on the mini-batch ``(x, y)`` and returns its loss (detached, before the update)."""
@@ -148,8 +162,7 @@ class TrainingStep:
             ]
             for optimizer, group_scales in zip(self._rate_optimizers, scales, strict=True)
         ]
-        # Dynamo traces torch.autograd.grad into the graph only with this setting (else it breaks the graph there).
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with self._trace_autograd_ops:
             loss, e_step_done = self._function(x, y, draws, e_step_lr, rates)
         for optimizer, group_scales in zip(self._rate_optimizers, scales, strict=True):
             if optimizer is not None:
@@ -158,7 +171,7 @@ class TrainingStep:
             # What the eager E-step leaves behind: no cached factors of the old sites.
             self.model.variational_strategy._clear_cache()
             self._e_step.e_step._last_factors = None
-        if not torch.isfinite(loss):
+        if not math.isfinite(loss.item()):
             raise RuntimeError(
                 "the training step's loss is not finite (e.g. a kernel matrix that is not positive definite even "
                 "with the largest jitter); the parameters were updated with non-finite values."
@@ -190,6 +203,14 @@ def _unsupported(mll, e_steps: list, gradient_optimizers: list) -> str | None:
     if dual and not e_steps:
         return "a DualVariationalStrategy without its DualEStep among the optimizers (its sites move only by E-steps)"
     return LeanEStep.unsupported(e_steps[0], mll) if e_steps else None
+
+
+def _signature(*tensors: Tensor) -> tuple:
+    """The types, shapes, dtypes and devices of tensors (None in place of anything that is not a tensor)."""
+    return tuple(
+        (type(tensor), tensor.shape, tensor.dtype, tensor.device) if isinstance(tensor, Tensor) else None
+        for tensor in tensors
+    )
 
 
 def warn_fallback(reason: str, path: str, eager: str) -> None:

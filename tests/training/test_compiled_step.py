@@ -14,6 +14,7 @@ import torch
 
 from gpytorch_decoupled.optim import DualEStep
 from gpytorch_decoupled.training import TrainingStep, compile_training_step
+from gpytorch_decoupled.validation import checks_target_values
 from tests.training.training_cases import make_case, optimizers
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -144,18 +145,35 @@ def test_parameter_in_two_optimizers_is_refused():
         (lambda x, y: (x, y[:-1]), "y must have shape"),
         (lambda x, y: (x.float(), y), "x is torch.float32"),
         (lambda x, y: (x, torch.where(y > 0, float("nan"), y)), "NaN or inf"),
+        (lambda x, y: (x.index_fill(0, torch.tensor([3]), float("inf")), y), "NaN or inf"),
+        (lambda x, y: (x, y.float()), "y is torch.float32"),
+        (lambda x, y: (x.tolist(), y), "x must be a torch.Tensor"),
     ],
 )
-def test_bad_input_is_refused_before_any_change(bad, message):
+@pytest.mark.parametrize("after_a_step", [False, True], ids=["first-batch", "after-a-step"])
+def test_bad_input_is_refused_before_any_change(bad, message, after_a_step):
+    # After a step, a batch of the same shapes, dtypes and devices is checked by its finiteness alone (one reduction
+    # per tensor): the errors must be the same.
     model, likelihood, mll, opts, x, y = _training(FAMILIES["orthnat"])
     step = TrainingStep(mll, opts, compile=False)
+    if after_a_step:
+        step(x, y)
     before = _state(model, likelihood)
     adam_state = copy.deepcopy(opts[1].state_dict())
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((TypeError, ValueError), match=message):
         step(*bad(x, y))
     for value, expected in zip(_state(model, likelihood), before, strict=True):
         assert torch.equal(value, expected)
     assert str(opts[1].state_dict()) == str(adam_state)
+
+
+def test_targets_of_label_likelihoods_are_always_checked_in_full():
+    # The repeated-batch check reads only the finiteness of targets whose likelihood takes any real value.
+    likelihoods = gpytorch.likelihoods
+    assert not checks_target_values(likelihoods.GaussianLikelihood())
+    for likelihood in (likelihoods.BernoulliLikelihood(), likelihoods.SoftmaxLikelihood(num_classes=3, num_features=2)):
+        assert checks_target_values(likelihood)
+    assert checks_target_values(likelihoods.BetaLikelihood())
 
 
 def test_non_finite_loss_raises():
