@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from ..gpytorch_compat import initialize_variational_distribution
-from ..optim import DualEStep, MeanBasisAdam
 from ..linalg import all_finite
+from ..optim import DualEStep, MeanBasisAdam
 from ..validation import check_inputs, check_targets, checks_target_values
 from ..variational import DualVariationalStrategy
 from .eager_training_step import eager_training_step
