@@ -14,7 +14,8 @@ Goals (issue 21), as ratios (lower is better): ``orthnat_compiled_vs_gpflow_natg
 gpflow_natgrad_adam`` ≤ 1, ``svgp_natural_compiled_vs_gpflow_adam`` ≤ 1 (each our median ÷ the GPflow median of the
 same run, rounds pooled). Without a goal, ``gpytorch_svgp_adam_compiled_vs_gpflow_adam`` compares the same model as
 GPflow's SVGP-Adam (GPyTorch's SVGP with a Cholesky q(u), Adam on every parameter) compiled by
-:func:`~gpytorch_decoupled.training.compile_training_step`.
+:func:`~gpytorch_decoupled.training.compile_training_step`, and the ``*_lean_vs_eager`` ratios the lean step run
+without compiling (``TrainingStep(mll, optimizers, compile=False)``: no compile time) against the general eager step.
 """
 
 from __future__ import annotations
@@ -171,6 +172,10 @@ def run(args: argparse.Namespace) -> dict:
         "svgp_natural_compiled_vs_eager": ratio("ours-svgp-natural-compiled", "ours-svgp-natural-eager"),
         "orthnat_compiled_vs_eager": ratio("ours-orthnat-compiled", "ours-orthnat-eager"),
         "tsvgp_compiled_vs_eager": ratio("ours-tsvgp-compiled", "ours-tsvgp-eager"),
+        "gpytorch_svgp_adam_lean_vs_eager": ratio("gpytorch-svgp-adam-lean", "gpytorch-svgp-adam"),
+        "svgp_natural_lean_vs_eager": ratio("ours-svgp-natural-lean", "ours-svgp-natural-eager"),
+        "orthnat_lean_vs_eager": ratio("ours-orthnat-lean", "ours-orthnat-eager"),
+        "tsvgp_lean_vs_eager": ratio("ours-tsvgp-lean", "ours-tsvgp-eager"),
         "gpflow_adam_vs_gpytorch_svgp_adam": ratio("gpflow-svgp-adam", "gpytorch-svgp-adam"),
     }
     config = {key: value for key, value in vars(args).items() if key not in ("run",)}

@@ -92,3 +92,13 @@ class _SquaredDistanceKernelMatvec(torch.autograd.Function):
         grad_x2 = unflatten_batch(grad_z, batch_shape).div(lengthscale).sum_to_size(x2_shape) if needs_x2 else None
         grad_a = unflatten_batch(grad_a, batch_shape).sum_to_size(a_shape) if needs_a else None
         return grad_x1, grad_x2, grad_a, grad_lengthscale, grad_outputscale, None, None
+
+
+def squared_distance_kernel_matvec(
+    x1: Tensor, x2: Tensor, a: Tensor, lengthscale: Tensor, outputscale: Tensor | None, profile: str
+) -> Tensor:
+    """:class:`_SquaredDistanceKernelMatvec`, keeping a small block for the backward pass only when autograd records
+    the call."""
+    arguments = (x1, x2, a, lengthscale, outputscale)
+    recording = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments)
+    return _SquaredDistanceKernelMatvec.apply(*arguments, profile, recording)

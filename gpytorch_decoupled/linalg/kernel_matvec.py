@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from ._squared_distance_kernel_matvec import _SquaredDistanceKernelMatvec
+from ._squared_distance_kernel_matvec import squared_distance_kernel_matvec
 
 
 def kernel_matvec(
@@ -97,9 +96,7 @@ def _fused_kernel_matvec(covariance: Tensor | LinearOperator, vector: Tensor) ->
     if block is None:
         return None
     x1, x2, lengthscale, outputscale, profile = block
-    arguments = (x1, x2, vector, lengthscale, outputscale)
-    recording = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments)
-    return _SquaredDistanceKernelMatvec.apply(*arguments, profile, recording)
+    return squared_distance_kernel_matvec(x1, x2, vector, lengthscale, outputscale, profile)
 
 
 def _profile(kernel: Kernel) -> str | None:

@@ -7,6 +7,7 @@ from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from torch import Tensor
 
+from ._squared_distance_kernel_matvec import squared_distance_kernel_matvec
 from ._squared_distance_quadratic_form import squared_distance_quadratic_form
 from .thin_cross_product import thin_cross_product
 
@@ -121,6 +122,19 @@ class LeanKernel:
         if type(self.base) is RBFKernel:
             return "rbf"
         return {1.5: "matern32", 2.5: "matern52"}.get(self.base.nu)
+
+    def matvec(self, x1: Tensor, x2: Tensor, coefficients: Tensor) -> Tensor:
+        r"""
+        :math:`\mathbf K_{\mathbf x_1\mathbf x_2}\mathbf a`. Eagerly as the general path computes it for the kernels
+        it fuses (:func:`~gpytorch_decoupled.linalg.kernel_matvec` of a lazy kernel block: swept in cache-sized tiles,
+        forward and backward, no :math:`N_1 \times N_2` array in memory); in a compiled graph, and for Matérn 1/2, the
+        dense product (Inductor fuses the block's evaluation with the product).
+        """
+        profile = self.profile
+        if profile is None or torch.compiler.is_compiling():
+            return self(x1, x2) @ coefficients
+        outputscale = None if self.scale is None else self.scale.outputscale
+        return squared_distance_kernel_matvec(x1, x2, coefficients, self.base.lengthscale, outputscale, profile)
 
     def quadratic_form(self, x: Tensor, coefficients: Tensor) -> Tensor:
         r"""

@@ -127,7 +127,7 @@ def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction,
     basis = strategy.mean_basis
     gamma, coefficients = basis.inducing_points, basis.coefficients
     beta = strategy.inducing_points
-    values = kernel(torch.cat([beta, x], dim=-2), gamma) @ coefficients
+    values = kernel.matvec(torch.cat([beta, x], dim=-2), gamma, coefficients)
     beta_values, data_values = values.split([beta.size(-2), x.size(-2)], dim=-1)
     quadratic_form = kernel.quadratic_form(gamma, coefficients)
     factor, interp, variance, q = _whitened_block(strategy, kernel, x)

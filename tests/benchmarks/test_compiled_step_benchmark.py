@@ -26,20 +26,21 @@ def test_compiled_step_tiny_run(tmp_path, capsys):
     assert set(payload["machine"]["load_average"]) == {"start", "end"}
 
 
-@pytest.mark.parametrize(
-    "config",
-    ["gpytorch-svgp-adam-compiled", "ours-svgp-natural-compiled", "ours-orthnat-compiled", "ours-tsvgp-compiled"],
-)
-def test_compiled_configurations_take_the_lean_path(config, recwarn):
-    # a fallback would time the eager step under the compiled name; the worker refuses it (RuntimeError)
+@pytest.mark.parametrize("mode", ["lean", "compiled"])
+@pytest.mark.parametrize("family", ["gpytorch-svgp-adam", "ours-svgp-natural", "ours-orthnat", "ours-tsvgp"])
+def test_lean_and_compiled_configurations_take_the_lean_path(family, mode, recwarn):
+    # a fallback would time the eager step under the lean or compiled name; the worker refuses it (RuntimeError)
+    config = f"{family}-{mode}"
     import torch
 
     from benchmarks.compiled_step_worker import make_step
 
     x = torch.randn(64, 3)
     y = torch.sin(x.sum(-1))
-    make_step(config, x, y, x[:10].clone(), x[10:40].clone())
+    step = make_step(config, x, y, x[:10].clone(), x[10:40].clone())
     assert not [warning for warning in recwarn if "lean training path" in str(warning.message)]
+    if mode == "lean":  # runs without compiling: a step in seconds
+        assert torch.isfinite(step(x[:16], y[:16]))
 
 
 def test_compiled_recursive_step_tiny_run(tmp_path, capsys, recwarn):

@@ -102,6 +102,35 @@ def test_kernel_matches_dense_oracle():
     torch.testing.assert_close(lean.diagonal(x1), torch.full((6,), outputscale, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("base", ["rbf", "matern52", "matern12"])
+def test_kernel_matvec_matches_the_dense_product(base):
+    # Eagerly the fused tiled product of the general path (dense for Matern 1/2): values and gradients of the inputs,
+    # coefficients and hyperparameters as the dense block's, in float64, with tiles smaller than the block.
+    from gpytorch_decoupled.linalg.settings import kernel_tile_size
+
+    inner = (
+        gpytorch.kernels.RBFKernel(ard_num_dims=2)
+        if base == "rbf"
+        else gpytorch.kernels.MaternKernel(nu={"matern52": 2.5, "matern12": 0.5}[base], ard_num_dims=2)
+    )
+    kernel = gpytorch.kernels.ScaleKernel(inner).double()
+    kernel.base_kernel.lengthscale = torch.tensor([0.7, 1.4])
+    kernel.outputscale = 1.3
+    generator = torch.Generator().manual_seed(3)
+    x1 = torch.randn(37, 2, dtype=torch.float64, generator=generator).requires_grad_(True)
+    x2 = torch.randn(53, 2, dtype=torch.float64, generator=generator).requires_grad_(True)
+    a = torch.randn(53, dtype=torch.float64, generator=generator).requires_grad_(True)
+    weights = torch.randn(37, dtype=torch.float64, generator=generator)
+    lean = LeanKernel.of(kernel)
+    parameters = [x1, x2, a, *kernel.parameters()]
+    with kernel_tile_size(200):
+        fused = _loss_and_gradients(lambda: (weights * lean.matvec(x1, x2, a)).sum(), parameters)
+    dense = _loss_and_gradients(lambda: (weights * (lean(x1, x2) @ a)).sum(), parameters)
+    torch.testing.assert_close(fused[0], dense[0], rtol=1e-12, atol=0)
+    for fused_grad, dense_grad in zip(fused[1], dense[1], strict=True):
+        torch.testing.assert_close(fused_grad, dense_grad, rtol=0, atol=1e-11 * dense_grad.abs().max())
+
+
 def test_unsupported_parts_are_named():
     model, likelihood, mll, x, y = make_case()
     assert LeanELBO.unsupported(mll) is None
