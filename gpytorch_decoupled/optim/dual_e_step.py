@@ -5,7 +5,7 @@ from gpytorch.likelihoods import Likelihood, SoftmaxLikelihood
 from gpytorch.models import ApproximateGP
 from torch import Tensor
 
-from ..linalg import cholesky_solve, solve_lower_transpose, weighted_gram
+from ..linalg import add_to_diagonal, cholesky_solve, solve_lower_transpose, weighted_gram
 from ..validation import check_targets, check_tensor
 from ..variational import DualPosteriorFactors, DualSiteStatistics, DualVariationalStrategy
 
@@ -309,10 +309,7 @@ def updated_sites(
     prior_chol = factors.prior_cholesky
     # q exists only while H = I + P stays positive definite (P is PSD by construction, up to rounding).
     precision = (1 - lr) * factors.whitened_site_precision + scale * whitened_gram
-    # (a copy: .double() of a float64 tensor is the tensor itself)
-    inner = precision.double().clone()
-    inner.diagonal(dim1=-2, dim2=-1).add_(1.0)
-    inner_chol, info = torch.linalg.cholesky_ex(inner)
+    inner_chol, info = torch.linalg.cholesky_ex(add_to_diagonal(precision.double(), 1.0))
     inner_chol = inner_chol.to(precision.dtype)
     whitened_site_mean = (1 - lr) * factors.whitened_site_mean + scale * whitened_mean_sum
     whitened_mean = cholesky_solve(inner_chol, whitened_site_mean.unsqueeze(-1)).squeeze(-1)
