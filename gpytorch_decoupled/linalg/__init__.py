@@ -18,6 +18,7 @@ from .landmark_quadratic_form import (
 from .lean_kernel import LeanKernel
 from .quadratic_form import column_sampled_quadratic_form
 from .settings import kernel_keep_size, kernel_tile_size
+from .shapes import broadcast_shapes
 from .thin_cross_product import thin_cross_product
 from .triangular import (
     cholesky_logdet,
@@ -33,6 +34,7 @@ __all__ = [
     "LeanKernel",
     "add_to_diagonal",
     "all_finite",
+    "broadcast_shapes",
     "cholesky_logdet",
     "cholesky_solve",
     "coefficient_proportional_rows",

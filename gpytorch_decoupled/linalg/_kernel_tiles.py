@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .settings import kernel_tile_size
+from .shapes import broadcast_shapes
 
 # Isotropic kernels k = f(D) of the squared scaled distance D, with f and its derivative f' = df/dD.
 PROFILES = ("rbf", "matern32", "matern52")
@@ -59,9 +60,7 @@ def scaled_inputs(
     # The mean of no points is NaN: without columns, center on the rows. Detached: its gradients cancel exactly.
     center = (x2 if x2.size(-2) > 0 else x1).mean(dim=-2, keepdim=True).detach()
     x, z = (x1 - center) / lengthscale, (x2 - center) / lengthscale
-    batch_shape = torch.broadcast_shapes(
-        x.shape[:-2], z.shape[:-2], *(operand.shape[:-1] for operand in batch_operands)
-    )
+    batch_shape = broadcast_shapes(x.shape[:-2], z.shape[:-2], *(operand.shape[:-1] for operand in batch_operands))
     return flatten_batch(x, batch_shape, 2), flatten_batch(z, batch_shape, 2), batch_shape
 
 
@@ -69,6 +68,8 @@ def flatten_batch(tensor: Tensor, batch_shape: torch.Size, event_dims: int) -> T
     """``tensor`` broadcast to ``batch_shape`` and its batch dimensions flattened into one (a copy only when the
     broadcast needs one)."""
     event_shape = tensor.shape[tensor.dim() - event_dims :]
+    if tensor.shape[: tensor.dim() - event_dims] == batch_shape and len(batch_shape) <= 1:
+        return tensor.unsqueeze(0) if not batch_shape else tensor
     return tensor.expand(*batch_shape, *event_shape).reshape(batch_shape.numel(), *event_shape)
 
 

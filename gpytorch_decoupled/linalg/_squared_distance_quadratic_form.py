@@ -68,12 +68,13 @@ def squared_distance_quadratic_form(
     left, right = flatten_batch(u, batch_shape, 1), flatten_batch(v, batch_shape, 1)
     recording = torch.is_grad_enabled()
     needs = [recording and tensor.requires_grad for tensor in (x, z, right)]
-    value = _bilinear_sweep(x, z, left, right, profile, symmetric, *needs)[0].view(batch_shape)
+    # Eager calls skip the operator's dispatch (a third of a small sweep's time); compiled graphs keep the operator.
+    sweep = _bilinear_sweep if torch.compiler.is_compiling() else _EagerBilinearSweep.apply
+    value = sweep(x, z, left, right, profile, symmetric, *needs)[0].view(batch_shape)
     return value if outputscale is None else value * outputscale
 
 
-@torch.library.custom_op("gpytorch_decoupled::squared_distance_bilinear_sweep", mutates_args=())
-def _bilinear_sweep(
+def _sweep(
     x: Tensor,  # shape: (B, n, d)
     z: Tensor,  # shape: (B, m, d)
     u: Tensor,  # shape: (B, n)
@@ -102,6 +103,22 @@ def _bilinear_sweep(
     return tuple(x.new_empty(0) if tensor is None else tensor.clone() for tensor in outputs)
 
 
+@torch.library.custom_op("gpytorch_decoupled::squared_distance_bilinear_sweep", mutates_args=())
+def _bilinear_sweep(
+    x: Tensor,
+    z: Tensor,
+    u: Tensor,
+    v: Tensor,
+    profile: str,
+    symmetric: bool,
+    needs_x: bool,
+    needs_z: bool,
+    needs_v: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_sweep` as an operator."""
+    return _sweep(x, z, u, v, profile, symmetric, needs_x, needs_z, needs_v)
+
+
 @_bilinear_sweep.register_fake
 def _(x, z, u, v, profile, symmetric, needs_x, needs_z, needs_v):
     needs_z, needs_v = needs_z and not symmetric, needs_v and not symmetric
@@ -114,20 +131,23 @@ def _(x, z, u, v, profile, symmetric, needs_x, needs_z, needs_v):
     )
 
 
+def _scaled_gradients(grad: Tensor, *gradients: Tensor) -> tuple[Tensor, ...]:
+    """The sweep's gradients (of the points, ``(B, n, d)``, or of the vectors, ``(B, n)``) scaled by the incoming one,
+    ``grad`` ``(B,)``; an empty placeholder stays one."""
+    weight = grad.unsqueeze(-1)
+    return tuple(
+        tensor.new_empty(0) if tensor.dim() == 1 else (weight.unsqueeze(-1) if tensor.dim() == 3 else weight) * tensor
+        for tensor in gradients
+    )
+
+
 @torch.library.custom_op("gpytorch_decoupled::squared_distance_bilinear_backward", mutates_args=())
 def _bilinear_backward(
     grad: Tensor, grad_x: Tensor, grad_z: Tensor, row_sums: Tensor, column_sums: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The sweep's gradients scaled by the incoming one, ``grad`` ``(B,)``. An operator of its own without an autograd
-    formula, so that differentiating the backward pass raises instead of treating the sums as constants."""
-    weight = grad.unsqueeze(-1)
-
-    def scaled(tensor: Tensor) -> Tensor:  # an empty (one-dimensional) placeholder stays one
-        if tensor.dim() == 1:
-            return tensor.new_empty(0)
-        return (weight.unsqueeze(-1) if tensor.dim() == 3 else weight) * tensor
-
-    return scaled(grad_x), scaled(grad_z), scaled(row_sums), scaled(column_sums)
+    """:func:`_scaled_gradients` as an operator of its own without an autograd formula, so that differentiating the
+    backward pass raises instead of treating the sums as constants."""
+    return _scaled_gradients(grad, grad_x, grad_z, row_sums, column_sums)
 
 
 @_bilinear_backward.register_fake
@@ -140,13 +160,13 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*output[1:])
 
 
-def _backward(ctx, grad: Tensor, *unused: Tensor):
+def _backward(ctx, grad: Tensor, *unused: Tensor, scale=_bilinear_backward):
     grad_x, grad_z, row_sums, column_sums = ctx.saved_tensors
     if ctx.symmetric:
         grad_z, column_sums = grad_x, row_sums
     needs_x, needs_z, needs_u, needs_v = ctx.needs_input_grad[:4]
     # Empty where the sweep did not compute a gradient (its input needs none): scaled as empty, returned as None.
-    results = _bilinear_backward(grad, grad_x, grad_z, row_sums, column_sums)
+    results = scale(grad, grad_x, grad_z, row_sums, column_sums)
     return (
         *(result if needed else None for result, needed in zip(results, (needs_x, needs_z, needs_u, needs_v))),
         None,
@@ -158,3 +178,19 @@ def _backward(ctx, grad: Tensor, *unused: Tensor):
 
 
 _bilinear_sweep.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerBilinearSweep(torch.autograd.Function):
+    """The operator's autograd for eager calls, around the same :func:`_sweep` and :func:`_scaled_gradients`, without
+    the operator's dispatch; differentiating its backward pass raises as the operator's does."""
+
+    @staticmethod
+    def forward(ctx, x, z, u, v, profile, symmetric, needs_x, needs_z, needs_v):
+        outputs = _sweep(x, z, u, v, profile, symmetric, needs_x, needs_z, needs_v)
+        _setup_context(ctx, (x, z, u, v, profile, symmetric), outputs)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, *unused: Tensor):
+        # Recording the backward pass (create_graph) goes through the operator, whose differentiation raises.
+        return _backward(ctx, grad, scale=_bilinear_backward if torch.is_grad_enabled() else _scaled_gradients)

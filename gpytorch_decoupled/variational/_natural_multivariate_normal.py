@@ -7,6 +7,8 @@ from linear_operator.operators import DenseLinearOperator, LinearOperator
 from torch import Tensor
 from torch.distributions.kl import register_kl
 
+from ..linalg import broadcast_shapes
+
 
 class _NaturalMultivariateNormal(MultivariateNormal):
     r"""
@@ -45,7 +47,7 @@ def _kl_natural_mvn(q: _NaturalMultivariateNormal, p: MultivariateNormal) -> Ten
         return kl_mvn_mvn(q, p)
     # The prior may carry batch dimensions that q lacks (an unwhitened strategy's prior at inducing points expanded to
     # the data's batch shape), so both sides are broadcast before they are stacked.
-    batch_shape = torch.broadcast_shapes(q.batch_shape, p.batch_shape)
+    batch_shape = broadcast_shapes(q.batch_shape, p.batch_shape)
     difference = (p.mean - q.mean).expand(*batch_shape, -1)
     covariance = q.lazy_covariance_matrix.to_dense().expand(*batch_shape, -1, -1)
     solved = p.lazy_covariance_matrix.solve(torch.cat([difference.unsqueeze(-1), covariance], dim=-1))

@@ -7,7 +7,7 @@ from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from ..linalg import LeanKernel
+from ..linalg import LeanKernel, broadcast_shapes
 
 
 class JointPrior(NamedTuple):
@@ -90,7 +90,7 @@ def joint_prior(model: torch.nn.Module, *inputs: Tensor, **kwargs) -> JointPrior
         >>> torch.allclose(prior.covariance(0, 1).to_dense(), model.covar_module(z, x).to_dense())
         True
     """
-    batch_shape = torch.broadcast_shapes(*(x.shape[:-2] for x in inputs))
+    batch_shape = broadcast_shapes(*(x.shape[:-2] for x in inputs))
     stacked = torch.cat([x.expand(*batch_shape, *x.shape[-2:]) for x in inputs], dim=-2)
     distribution = model.forward(stacked, **kwargs)
     lean = LeanKernel.of_block(distribution.lazy_covariance_matrix)
