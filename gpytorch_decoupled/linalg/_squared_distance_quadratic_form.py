@@ -103,20 +103,10 @@ def _sweep(
     return tuple(x.new_empty(0) if tensor is None else tensor.clone() for tensor in outputs)
 
 
-@torch.library.custom_op("gpytorch_decoupled::squared_distance_bilinear_sweep", mutates_args=())
-def _bilinear_sweep(
-    x: Tensor,
-    z: Tensor,
-    u: Tensor,
-    v: Tensor,
-    profile: str,
-    symmetric: bool,
-    needs_x: bool,
-    needs_z: bool,
-    needs_v: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:func:`_sweep` as an operator."""
-    return _sweep(x, z, u, v, profile, symmetric, needs_x, needs_z, needs_v)
+# The same function as an operator, for compiled graphs.
+_bilinear_sweep = torch.library.custom_op(
+    "gpytorch_decoupled::squared_distance_bilinear_sweep", _sweep, mutates_args=()
+)
 
 
 @_bilinear_sweep.register_fake
