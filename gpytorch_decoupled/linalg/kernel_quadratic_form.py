@@ -57,16 +57,18 @@ def kernel_quadratic_form(
     """
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}.")
-    if left.dim() < 1 or left.size(-1) != covariance.size(-2):
-        raise ValueError(f"left must have shape (*batch, {covariance.size(-2)}), got {tuple(left.shape)}.")
+    block = fused_block(covariance)
+    # The sizes from the block's inputs where it is fused: a lazy kernel block's own size costs a walk of its kernel.
+    num_rows, num_columns = (block.x1.size(-2), block.x2.size(-2)) if block is not None else covariance.shape[-2:]
+    if left.dim() < 1 or left.size(-1) != num_rows:
+        raise ValueError(f"left must have shape (*batch, {num_rows}), got {tuple(left.shape)}.")
     quadratic = right is None or right is left
     right = left if right is None else right
-    if right.dim() < 1 or right.size(-1) != covariance.size(-1):
-        raise ValueError(f"right must have shape (*batch, {covariance.size(-1)}), got {tuple(right.shape)}.")
-    block = fused_block(covariance)
+    if right.dim() < 1 or right.size(-1) != num_columns:
+        raise ValueError(f"right must have shape (*batch, {num_columns}), got {tuple(right.shape)}.")
     if block is not None:
         x1, x2, lengthscale, outputscale, profile = block
-        symmetric = quadratic and x1.shape == x2.shape and torch.equal(x1, x2)
+        symmetric = quadratic and (x1 is x2 or (x1.shape == x2.shape and torch.equal(x1, x2)))
         return squared_distance_quadratic_form(x1, x2, left, right, lengthscale, outputscale, profile, symmetric)
     return blocked_bilinear_form(lambda start, end: covariance[..., start:end, :], left, right, block_size)
 

@@ -36,7 +36,11 @@ class JointPrior(NamedTuple):
     def covariance(self, rows: int | slice, columns: int | slice) -> LinearOperator:
         """The (lazy) prior covariance between input sets ``rows`` and ``columns`` (an index, or a slice of consecutive
         input sets, e.g. ``slice(0, 2)`` for :math:`[\\mathbf X_0; \\mathbf X_1]`)."""
-        return self.distribution.lazy_covariance_matrix[..., self._rows(rows), self._rows(columns)]
+        row_slice, column_slice = self._rows(rows), self._rows(columns)
+        covariance = self.distribution.lazy_covariance_matrix
+        if row_slice == column_slice == slice(0, sum(self.sizes)):
+            return covariance  # the whole block: slicing a lazy kernel block costs more than its tile sweep
+        return covariance[..., row_slice, column_slice]
 
     def dense(self, rows: int | slice, columns: int | slice) -> Tensor:
         """:meth:`covariance` evaluated, ``(..., n_rows, n_columns)``."""

@@ -360,10 +360,8 @@ class MeanBasis(Module):
         if indices is None and not self.exact_quadratic_form():
             indices = self.sampled_indices = self._uniform_rows()
         if indices is None:  # exact: the block itself (no probe for a fused path; a lazy block is swept in row blocks)
-            points = self.inducing_points
-            return kernel_quadratic_form(
-                self.cross_covariance(points, points), coefficients, block_size=self.kl_block_size
-            )
+            block = joint_prior(self.model, self.inducing_points).covariance(0, 0)
+            return kernel_quadratic_form(block, coefficients, block_size=self.kl_block_size)
         return column_sampled_quadratic_form(
             self.cross_covariance,
             self.inducing_points,
