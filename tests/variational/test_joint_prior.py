@@ -43,6 +43,18 @@ def test_blocks_are_the_kernel_between_the_input_sets() -> None:
     assert prior.mean(slice(1, 3)).shape == (8,)
 
 
+def test_the_block_of_every_input_set_is_the_model_covariance_itself() -> None:
+    # Unsliced (the exact KL's quadratic form sweeps it): the same lazy block, with identical inputs.
+    gen = torch.Generator().manual_seed(3)
+    z, x = torch.randn(4, 2, generator=gen, dtype=F64), torch.randn(3, 2, generator=gen, dtype=F64)
+    single = joint_prior(ShiftedPrior(), z)
+    block = single.covariance(0, 0)
+    assert block is single.distribution.lazy_covariance_matrix and block.x1 is block.x2
+    stacked = joint_prior(ShiftedPrior(), z, x)
+    assert stacked.covariance(slice(0, 2), slice(0, 2)) is stacked.distribution.lazy_covariance_matrix
+    assert stacked.covariance(0, 0).shape == (4, 4)  # a part is still sliced
+
+
 def test_batch_dimensions_broadcast() -> None:
     gen = torch.Generator().manual_seed(1)
     z, x = torch.randn(4, 2, generator=gen, dtype=F64), torch.randn(3, 6, 2, generator=gen, dtype=F64)
