@@ -61,6 +61,26 @@ def test_decoupled_equal_time_tiny_run(tmp_path, capsys):
     assert "SVGP-Adam's time" in capsys.readouterr().out
 
 
+def test_decoupled_equal_time_variants_are_reported_without_a_goal(tmp_path):
+    main(
+        ["decoupled-equal-time", "--datasets", "elevators", "--max-train-rows", "200", "--iterations", "4",
+         "--eval-every", "2", "--warmup", "1", "--num-inducing", "8", "--num-mean-inducing", "30", "--batch-size",
+         "50", "--clock", "thread", "--no-progress", "--checkpoints", "2", "--variants", "orth", "--other-baselines",
+         "--output-dir", str(tmp_path)]
+    )  # fmt: skip
+    payload = json.loads((tmp_path / "decoupled-equal-time.json").read_text())
+    (record,) = payload["datasets"]
+    assert set(record["methods"]) == {"orthnat", "hybrid", "orth", "svgp", "svgp-ngd"}
+    assert record["methods"]["orth"]["label"] == "Orth (ours)"
+    rows = record["methods"]
+    expected = int(
+        all(rows["orth"]["nll_at_svgp_time"] <= rows[rival]["nll_at_svgp_time"] for rival in ("svgp", "svgp-ngd"))
+    )
+    assert payload["ratios"]["orth_nll_wins_at_svgp_time_higher_is_better"] == expected
+    assert "orth_nll_wins_at_svgp_time_after_2_iterations" in payload["ratios"]
+    assert set(payload["goals"]) == set(EQUAL_TIME_GOALS)  # no goal for the variant
+
+
 def test_mean_basis_adam_softmax_tiny_run(tmp_path):
     main(
         ["mean-basis-adam", "--skip", "regression", "large", "binary", "--iterations", "4", "--eval-every", "2",
