@@ -150,11 +150,15 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*output[1:])
 
 
-def _backward(ctx, grad: Tensor, *unused: Tensor, scale=_bilinear_backward):
+def _backward(ctx, grad: Tensor, *unused: Tensor):
     grad_x, grad_z, row_sums, column_sums = ctx.saved_tensors
     if ctx.symmetric:
         grad_z, column_sums = grad_x, row_sums
     needs_x, needs_z, needs_u, needs_v = ctx.needs_input_grad[:4]
+    # A backward pass that autograd records (create_graph) scales through the operator, whose differentiation raises;
+    # otherwise plain operations, which a compiled graph fuses (torch.compile does not differentiate twice anyway).
+    recorded = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    scale = _bilinear_backward if recorded else _scaled_gradients
     # Empty where the sweep did not compute a gradient (its input needs none): scaled as empty, returned as None.
     results = scale(grad, grad_x, grad_z, row_sums, column_sums)
     return (
@@ -182,5 +186,4 @@ class _EagerBilinearSweep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor, *unused: Tensor):
-        # Recording the backward pass (create_graph) goes through the operator, whose differentiation raises.
-        return _backward(ctx, grad, scale=_bilinear_backward if torch.is_grad_enabled() else _scaled_gradients)
+        return _backward(ctx, grad)
