@@ -11,6 +11,7 @@ from .benchmark import Benchmark
 from .collapsed_fit_benchmark import COLLAPSED_FIT
 from .compiled_recursive_step_benchmark import COMPILED_RECURSIVE_STEP
 from .compiled_step_benchmark import COMPILED_STEP
+from .cuda_step_benchmark import CUDA_STEP
 from .decoupled_accuracy_benchmark import DECOUPLED_ACCURACY
 from .decoupled_equal_time_benchmark import DECOUPLED_EQUAL_TIME
 from .decoupled_speed_benchmark import DECOUPLED_SPEED
@@ -51,6 +52,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         DISTRIBUTED,
         COMPILED_STEP,
         COMPILED_RECURSIVE_STEP,
+        CUDA_STEP,
     )
 }
 

@@ -34,17 +34,32 @@ TORCH_CONFIGS = (
 
 
 def make_step(config: str, train_x, train_y, inducing, mean_inducing):
-    """The step function ``step(x, y)`` of a configuration."""
+    """The step function ``step(x, y)`` of a configuration: ``FAMILY-MODE`` with the modes above and ``graphs``
+    (compiled with ``mode="reduce-overhead"``: CUDA graphs on a GPU), or ``gpytorch-svgp-adam`` /
+    ``gpytorch-largebatch-adam`` (GPyTorch's own eager step with its ``VariationalStrategy`` /
+    ``LargeBatchVariationalStrategy``)."""
+    import gpytorch
+
     from benchmarks.methods.svgp_method import SVGPMethod
     from gpytorch_decoupled.training import TrainingStep
 
     family, _, mode = config.rpartition("-")
-    if config == "gpytorch-svgp-adam":  # GPyTorch's own eager step
-        family, mode = "gpytorch-svgp-adam", "general"
-    if family in ("gpytorch-svgp-adam", "ours-svgp-natural"):
+    if config in ("gpytorch-svgp-adam", "gpytorch-largebatch-adam"):  # GPyTorch's own eager step
+        family, mode = config, "general"
+    if family in ("gpytorch-svgp-adam", "gpytorch-largebatch-adam", "ours-svgp-natural"):
         # GPyTorch's SVGP (Cholesky q(u), Adam on everything: GPflow's SVGP-Adam model) or FastNatural + NGD + Adam
         natural = family == "ours-svgp-natural"
-        method = SVGPMethod(train_x, train_y, num_inducing=inducing.size(0), natural=natural, fast_natural=natural)
+        strategy = gpytorch.variational.VariationalStrategy
+        if family == "gpytorch-largebatch-adam":
+            strategy = gpytorch.variational.LargeBatchVariationalStrategy
+        method = SVGPMethod(
+            train_x,
+            train_y,
+            num_inducing=inducing.size(0),
+            natural=natural,
+            fast_natural=natural,
+            strategy_cls=strategy,
+        )
         with torch.no_grad():  # the shared inducing inputs (the method draws its own with the same seed)
             method.model.variational_strategy.inducing_points.copy_(inducing)
         mll, optimizers = method.mll, method.optimizers
@@ -72,7 +87,7 @@ def make_step(config: str, train_x, train_y, inducing, mean_inducing):
         method = DualMethod(train_x, train_y, num_inducing=inducing.size(0), inducing_points=inducing)
         if mode == "eager":
             return method.step
-        lean = _lean_step(config, method.mll, method.step_optimizers, compile=mode == "compiled")
+        lean = _lean_step(config, method.mll, method.step_optimizers, mode)
 
         def iteration(x, y):  # the default schedule's E-step size, then the lean (compiled) E-step + M-step
             method.advance_schedule()
@@ -83,13 +98,14 @@ def make_step(config: str, train_x, train_y, inducing, mean_inducing):
         raise ValueError(f"unknown configuration {config!r}")
     if mode == "eager":
         return TrainingStep(mll, optimizers, lean=False)
-    return _lean_step(config, mll, optimizers, compile=mode == "compiled")
+    return _lean_step(config, mll, optimizers, mode)
 
 
-def _lean_step(config: str, mll, optimizers, compile: bool):
+def _lean_step(config: str, mll, optimizers, mode: str):
     from gpytorch_decoupled.training import TrainingStep
 
-    step = TrainingStep(mll, optimizers, compile=compile)
+    options = {"mode": "reduce-overhead"} if mode == "graphs" else {}
+    step = TrainingStep(mll, optimizers, compile=mode in ("compiled", "graphs"), **options)
     if step.fallback_reason is not None:  # it would time the eager step under the lean or compiled name
         raise RuntimeError(f"{config} does not take the lean path: {step.fallback_reason}")
     return step

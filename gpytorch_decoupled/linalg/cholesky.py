@@ -202,23 +202,19 @@ def _factor(A: Tensor, jitter: float | None, max_tries: int, name: str) -> Tenso
 
 def _traceable_factor(A: Tensor, jitter: float | None, max_tries: int, name: str) -> Tensor:
     """:func:`_factor` without data-dependent Python control flow (for :func:`torch.compile`): the escalation runs
-    in a :func:`torch.cond` branch, to the end of the schedule (members that succeed keep their jitter), and a member
-    that never factorizes gets a NaN factor instead of an error."""
+    only when the first factorization fails, to the end of the schedule (members that succeed keep their jitter), and
+    a member that never factorizes gets a NaN factor instead of an error. On a CPU it runs in a :func:`torch.cond`
+    branch; on a GPU in an operator that Inductor leaves out of CUDA graphs (a graph holding :func:`torch.cond` is
+    not captured at all), at the cost of one synchronization."""
     A64 = A.to(torch.float64)
     member_jitter = torch.full(A.shape[:-2], jitter or 0.0, dtype=A64.dtype, device=A64.device)
     L, info = torch.linalg.cholesky_ex(add_to_diagonal(A64, member_jitter) if jitter else A64)
+    relative = _RELATIVE_JITTER.get(A.dtype, _RELATIVE_JITTER_DEFAULT)
+    if A.device.type == "cuda":
+        return _escalated_if_failed(A64, L, info, member_jitter, jitter or 0.0, relative, max_tries).to(A.dtype)
 
     def escalate(matrix: Tensor, first: Tensor, info: Tensor, member_jitter: Tensor) -> Tensor:
-        if jitter:
-            first_step = 10.0 * member_jitter
-        else:
-            scale = matrix.diagonal(dim1=-2, dim2=-1).abs().mean(-1)
-            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-            first_step = _RELATIVE_JITTER.get(A.dtype, _RELATIVE_JITTER_DEFAULT) * scale
-        for k in range(max_tries):
-            member_jitter = torch.where(info > 0, first_step * 10.0**k, member_jitter)
-            factor, info = torch.linalg.cholesky_ex(add_to_diagonal(matrix, member_jitter))
-        return torch.where((info > 0)[..., None, None], float("nan"), factor).mT.contiguous()
+        return _escalated(matrix, info, member_jitter, jitter, relative, max_tries).mT.contiguous()
 
     # Both branches return the upper factor L^T in row-major order: LAPACK's L is column-major, so this is a plain
     # copy (the branch's output may not alias its input) instead of a transposing one.
@@ -226,3 +222,41 @@ def _traceable_factor(A: Tensor, jitter: float | None, max_tries: int, name: str
         return first.mT.clone(memory_format=torch.contiguous_format)
 
     return torch.cond(info.any(), escalate, keep, (A64, L, info, member_jitter)).mT.to(A.dtype)
+
+
+def _escalated(
+    A64: Tensor, info: Tensor, member_jitter: Tensor, jitter: float | None, relative: float, max_tries: int
+) -> Tensor:
+    """The float64 factor after the whole escalation schedule of :func:`_factor` from a first attempt's ``info``
+    (NaN for members that never factorize); ``relative`` is the first step's jitter relative to the diagonal's scale
+    when no ``jitter`` was given."""
+    if jitter:
+        first_step = 10.0 * member_jitter
+    else:
+        scale = A64.diagonal(dim1=-2, dim2=-1).abs().mean(-1)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        first_step = relative * scale
+    for k in range(max_tries):
+        member_jitter = torch.where(info > 0, first_step * 10.0**k, member_jitter)
+        factor, info = torch.linalg.cholesky_ex(add_to_diagonal(A64, member_jitter))
+    return torch.where((info > 0)[..., None, None], float("nan"), factor)
+
+
+# Inductor runs an operator with this tag between CUDA graphs instead of inside one (torch >= 2.9).
+_CUDAGRAPH_UNSAFE = tuple(tag for tag in [getattr(torch._C.Tag, "cudagraph_unsafe", None)] if tag is not None)
+
+
+@torch.library.custom_op("gpytorch_decoupled::escalated_if_failed", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+def _escalated_if_failed(
+    A64: Tensor, L: Tensor, info: Tensor, member_jitter: Tensor, jitter: float, relative: float, max_tries: int
+) -> Tensor:
+    """``L`` (a row-major copy) where the first factorization succeeded for every member, else the escalated factor
+    (:func:`_escalated`)."""
+    if not info.any():
+        return L.contiguous().clone()
+    return _escalated(A64, info, member_jitter, jitter or None, relative, max_tries).contiguous()
+
+
+@_escalated_if_failed.register_fake
+def _(A64: Tensor, L: Tensor, info: Tensor, member_jitter: Tensor, jitter: float, relative: float, max_tries: int):
+    return torch.empty_like(L, memory_format=torch.contiguous_format)

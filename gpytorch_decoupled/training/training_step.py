@@ -48,6 +48,11 @@ class TrainingStep:
       non-finite loss (e.g. a kernel matrix not positive definite at the largest jitter, which the compiled
       factorization reports as NaN instead of raising) raises a ``RuntimeError`` after the step, whose update is then
       not meaningful.
+    * **CUDA graphs** (``mode="reduce-overhead"`` or ``"max-autotune"`` on a GPU): Inductor replays a captured graph
+      only if every tensor the step updates in place has a fixed address. Parameters have one; the optimizers' state
+      and the model's and likelihood's buffers (t-SVGP's sites) are marked so
+      (:func:`torch._dynamo.mark_static_address`), and the returned loss is a copy (a graph's outputs are overwritten
+      by its next replay).
 
     :param mll: The objective (e.g. :class:`gpytorch.mlls.VariationalELBO`), with its model and likelihood.
     :param optimizers: The optimizers to step after each backward pass (each parameter in at most one of them).
@@ -98,6 +103,10 @@ class TrainingStep:
         self._rate_optimizers = [
             optimizer if type(optimizer) is MeanBasisAdam else None for optimizer in gradient_optimizers
         ]
+        self._cuda_graphs = compile and _uses_cuda_graphs(compile_options)
+        if self._cuda_graphs:
+            for tensor in _updated_in_place(self.optimizers, self.model, self.likelihood):
+                torch._dynamo.mark_static_address(tensor)
         self._function = torch.compile(_own_code(self._lean_step), **compile_options) if compile else self._lean_step
         # Dynamo traces torch.autograd.grad into the graph only with this setting (else it breaks the graph there).
         # One patch object for every call: making one costs more than entering it.
@@ -164,6 +173,8 @@ class TrainingStep:
         ]
         with self._trace_autograd_ops:
             loss, e_step_done = self._function(x, y, draws, e_step_lr, rates)
+        if self._cuda_graphs:  # the graph's output memory is overwritten by its next replay
+            loss = loss.clone()
         for optimizer, group_scales in zip(self._rate_optimizers, scales, strict=True):
             if optimizer is not None:
                 optimizer.keep_function_scales(group_scales)
@@ -203,6 +214,25 @@ def _unsupported(mll, e_steps: list, gradient_optimizers: list) -> str | None:
     if dual and not e_steps:
         return "a DualVariationalStrategy without its DualEStep among the optimizers (its sites move only by E-steps)"
     return LeanEStep.unsupported(e_steps[0], mll) if e_steps else None
+
+
+def _uses_cuda_graphs(compile_options: dict) -> bool:
+    """Whether :func:`torch.compile` with these options captures CUDA graphs (on a GPU)."""
+    options = compile_options.get("options") or {}
+    return compile_options.get("mode") in ("reduce-overhead", "max-autotune") or bool(options.get("triton.cudagraphs"))
+
+
+def _updated_in_place(optimizers: list, *modules: torch.nn.Module) -> list[Tensor]:
+    """The tensors other than parameters that a step may update in place: the optimizers' state and the modules'
+    buffers."""
+    states = [
+        value
+        for optimizer in optimizers
+        for state in getattr(optimizer, "state", {}).values()
+        for value in state.values()
+        if isinstance(value, Tensor)
+    ]
+    return [*states, *(buffer for module in modules for buffer in module.buffers())]
 
 
 def _signature(*tensors: Tensor) -> tuple:

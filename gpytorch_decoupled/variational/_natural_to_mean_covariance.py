@@ -46,6 +46,10 @@ class _NaturalToMeanCovariance(torch.autograd.Function):
         logdet = -2.0 * factor.diagonal(dim1=-2, dim2=-1).log().sum(-1)
         ctx.save_for_backward(precision, factor, mean)
         dtype = natural_vec.dtype
+        if dtype == torch.float64:
+            # No ``.to``: torch 2.11's Dynamo gives zero gradients to a Function whose output is ``.to`` of a saved
+            # tensor that returns the tensor itself.
+            return mean, covariance, logdet
         return mean.to(dtype), covariance.to(dtype), logdet.to(dtype)
 
     @staticmethod

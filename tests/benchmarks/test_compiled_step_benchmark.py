@@ -1,3 +1,4 @@
+import inspect
 import json
 
 import pytest
@@ -26,7 +27,7 @@ def test_compiled_step_tiny_run(tmp_path, capsys):
     assert set(payload["machine"]["load_average"]) == {"start", "end"}
 
 
-@pytest.mark.parametrize("mode", ["lean", "compiled"])
+@pytest.mark.parametrize("mode", ["lean", "compiled", "graphs"])
 @pytest.mark.parametrize("family", ["gpytorch-svgp-adam", "ours-svgp-natural", "ours-orthnat", "ours-tsvgp"])
 def test_lean_and_compiled_configurations_take_the_lean_path(family, mode, recwarn):
     # a fallback would time the eager step under the lean or compiled name; the worker refuses it (RuntimeError)
@@ -41,6 +42,31 @@ def test_lean_and_compiled_configurations_take_the_lean_path(family, mode, recwa
     assert not [warning for warning in recwarn if "lean training path" in str(warning.message)]
     if mode == "lean":  # runs without compiling: a step in seconds
         assert torch.isfinite(step(x[:16], y[:16]))
+    if mode == "graphs":  # compiled for CUDA graphs (bench cuda-step); t-SVGP's iteration wraps its training step
+        training_step = inspect.getclosurevars(step).nonlocals["lean"] if family == "ours-tsvgp" else step
+        assert training_step.compiled and training_step._cuda_graphs
+
+
+def test_cuda_step_tiny_run_on_the_cpu(tmp_path, capsys):
+    # The eager configurations on the CPU (the -graphs ones compile with Inductor: tests/training tests those steps),
+    # and a configuration that fails is reported while the others run.
+    output = tmp_path / "cuda-step.json"
+    configs = ["gpytorch-svgp-adam", "gpytorch-largebatch-adam", "ours-orthnat-eager", "ours-tsvgp-eager"]
+    main(
+        ["cuda-step", "--device", "cpu", "--num-inducing", "10", "--num-mean-inducing", "20", "--batch-sizes", "16",
+         "32", "--steps", "3", "--warmup", "1", "--configs", *configs, "ours-unknown-eager", "--output", str(output)]
+    )  # fmt: skip
+    payload = json.loads(output.read_text())
+    for batch_size in ("16", "32"):
+        rows = payload["configurations"][batch_size]
+        assert set(rows) == set(configs)
+        for row in rows.values():
+            assert row["step_ms"] > 0 and row["first_step_s"] > 0 and row["cudagraph_skips"] == 0
+        assert "unknown configuration" in payload["skipped"][f"ours-unknown-eager@{batch_size}"]
+        assert payload["ratios"][f"largebatch_adam_vs_gpytorch_svgp_adam_b{batch_size}"] > 0
+        assert payload["ratios"][f"orthnat_graphs_vs_eager_b{batch_size}"] is None  # not run: null in the JSON
+    assert payload["goals"] == {} and payload["config"]["device"] == "cpu"
+    assert "failed" in capsys.readouterr().out
 
 
 def test_compiled_recursive_step_tiny_run(tmp_path, capsys, recwarn):

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from linear_operator.utils.errors import NotPSDError
 
 from gpytorch_decoupled.linalg import jittered_cholesky, reset_jitter_warnings
+from gpytorch_decoupled.linalg.cholesky import _escalated_if_failed
 
 
 def _random_spd(n: int, *batch: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -191,6 +192,49 @@ class TestJitteredCholesky(unittest.TestCase):
         self.assertTrue(torch.isfinite(batch.grad).all())
         with self.assertRaises(NotPSDError):
             jittered_cholesky(torch.diag(torch.tensor([1.0, -1.0], device="cuda")))
+
+    @pytest.mark.cuda
+    def test_cuda_compiled_escalation_equals_eager(self):
+        # On a GPU the compiled escalation runs in an operator outside CUDA graphs instead of a torch.cond branch.
+        self._assert_compiled_equals_eager("cuda")
+
+    def test_compiled_escalation_equals_eager(self):
+        self._assert_compiled_equals_eager("cpu")
+
+    def _assert_compiled_equals_eager(self, device: str):
+        never = torch.diag(torch.tensor([1.0, -1.0], dtype=torch.float64))
+        cases = [
+            (torch.stack([_random_spd(6), _rank_deficient_kernel(6)]), None),  # one member escalates
+            (_random_spd(6, 2), None),  # no escalation
+            (_rank_deficient_kernel(6, dtype=torch.float32), None),  # float32's relative jitter
+            (_rank_deficient_kernel(6), 1e-9),  # escalation from a given jitter
+        ]
+        for A, jitter in cases:
+            A = A.to(device)
+            compiled = torch.compile(
+                lambda A, jitter=jitter: jittered_cholesky(A, jitter=jitter), backend="aot_eager", fullgraph=True
+            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", NumericalWarning)
+                torch.testing.assert_close(compiled(A), jittered_cholesky(A, jitter=jitter), rtol=1e-12, atol=0)
+        # a member that never factorizes: NaN instead of an error
+        compiled = torch.compile(jittered_cholesky, backend="aot_eager", fullgraph=True)
+        L = compiled(torch.stack([never, torch.eye(2, dtype=torch.float64)]).to(device))
+        self.assertTrue(L[0].isnan().all())
+        torch.testing.assert_close(L[1], torch.eye(2, dtype=torch.float64, device=device))
+
+    def test_escalation_operator(self):
+        # The operator of the GPU's compiled escalation, called directly: the eager factor, and a valid operator.
+        A = torch.stack([_random_spd(6), _rank_deficient_kernel(6)])
+        for matrix in (A, A[:1]):
+            first, info = torch.linalg.cholesky_ex(matrix)
+            member_jitter = torch.zeros(matrix.shape[:-2], dtype=torch.float64)
+            arguments = (matrix, first, info, member_jitter, 0.0, 1e-8, 6)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", NumericalWarning)
+                expected = jittered_cholesky(matrix)
+            torch.testing.assert_close(_escalated_if_failed(*arguments), expected, rtol=1e-12, atol=0)
+            torch.library.opcheck(_escalated_if_failed, arguments)
 
 
 if __name__ == "__main__":

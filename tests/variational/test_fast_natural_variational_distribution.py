@@ -234,3 +234,26 @@ def test_rebuilt_distributions_fall_back_to_the_generic_kl() -> None:
         rtol=1e-10,
         atol=1e-12,
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_compiled_natural_gradients_equal_eager(dtype) -> None:
+    # The compiled training step differentiates the moments with torch.autograd.grad inside the graph. torch 2.11's
+    # Dynamo gave zero gradients when the Function returned its float64 outputs through an identity ``.to``.
+    q = FastNaturalVariationalDistribution(4).to(dtype)
+    gen = generator(3)
+    with torch.no_grad():
+        q.natural_mat.copy_(-0.5 * random_spd(4, gen=gen, floor=1.0).to(dtype))
+        q.natural_vec.copy_(randn(4, gen=gen).to(dtype))
+    weights = randn(4, 4, gen=gen).to(dtype)
+
+    def gradients():
+        mean, covariance, logdet = q.moments()
+        loss = mean.pow(2).sum() + (weights * covariance).sum() + 0.3 * logdet
+        return torch.autograd.grad(loss, [q.natural_vec, q.natural_mat])
+
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled = torch.compile(gradients, backend="aot_eager", fullgraph=True)()
+    for value, expected in zip(compiled, gradients(), strict=True):
+        assert expected.abs().max() > 0.1
+        torch.testing.assert_close(value, expected, rtol=1e-12 if dtype == torch.float64 else 1e-5, atol=0)
