@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
@@ -242,11 +243,16 @@ def _escalated(
     return torch.where((info > 0)[..., None, None], float("nan"), factor)
 
 
-# Inductor runs an operator with this tag between CUDA graphs instead of inside one (torch >= 2.9).
-_CUDAGRAPH_UNSAFE = tuple(tag for tag in [getattr(torch._C.Tag, "cudagraph_unsafe", None)] if tag is not None)
+def _cudagraph_unsafe() -> dict:
+    """The option of :func:`torch.library.custom_op` that makes Inductor run the operator between CUDA graphs instead
+    of inside one, where this torch has it."""
+    tag = getattr(torch._C.Tag, "cudagraph_unsafe", None)
+    if tag is None or "tags" not in inspect.signature(torch.library.custom_op).parameters:
+        return {}
+    return {"tags": (tag,)}
 
 
-@torch.library.custom_op("gpytorch_decoupled::escalated_if_failed", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+@torch.library.custom_op("gpytorch_decoupled::escalated_if_failed", mutates_args=(), **_cudagraph_unsafe())
 def _escalated_if_failed(
     A64: Tensor, L: Tensor, info: Tensor, member_jitter: Tensor, jitter: float, relative: float, max_tries: int
 ) -> Tensor:

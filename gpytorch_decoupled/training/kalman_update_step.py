@@ -5,7 +5,7 @@ from torch import Tensor
 
 from ..variational import KalmanVariationalStrategy
 from .lean_kalman_blocks import NOT_FINITE, LeanKalmanBlocks
-from .training_step import _own_code, warn_fallback
+from .training_step import _own_code, unsupported_torch, warn_fallback
 
 
 class KalmanUpdateStep:
@@ -60,7 +60,11 @@ class KalmanUpdateStep:
     def __init__(self, strategy: KalmanVariationalStrategy, *, compile: bool = True, lean: bool = True, **options):
         self.strategy = strategy
         self.likelihood = strategy.resolved_likelihood(None, "compile_training_step")
-        reason = "lean=False" if not lean else LeanKalmanBlocks.unsupported(strategy.model, self.likelihood)
+        reason = (
+            "lean=False"
+            if not lean
+            else unsupported_torch() or LeanKalmanBlocks.unsupported(strategy.model, self.likelihood)
+        )
         self.fallback_reason: str | None = reason
         r"""Why the step runs ``strategy.update`` eagerly, or None when it runs the (compiled) lean step."""
         if reason is not None:

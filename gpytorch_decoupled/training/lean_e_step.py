@@ -58,9 +58,11 @@ class LeanEStep:
         """The E-step's current step size :math:`r`."""
         return self.e_step.param_groups[0]["lr"]
 
-    def __call__(self, y: Tensor, statistics: DualSiteStatistics, lr: Tensor) -> Tensor:
-        """Updates the sites in place from the batch's targets ``y`` and ``statistics``; returns whether it did
-        (a boolean tensor; False leaves them unchanged)."""
+    def __call__(self, y: Tensor, statistics: DualSiteStatistics, lr: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The sites updated from the batch's targets ``y`` and ``statistics`` and whether the update succeeded (a
+        boolean tensor; where it failed, the sites are the current ones). The caller stores them (:meth:`keep`)
+        after the compiled region: written in place inside it, torch 2.11's Inductor (CPU) let the gradients of the
+        same graph read the new sites."""
         mean = statistics.prior_mean + statistics.centred_mean
         mean_gradient, variance_gradient = self.likelihood.derivatives(y, mean, statistics.variance)
         first_target, second_target = site_targets(
@@ -79,6 +81,11 @@ class LeanEStep:
             (whitened_cross, second_target),
         )
         done = factorized & torch.isfinite(first_target).all() & torch.isfinite(second_target).all()
-        site_mean.copy_(torch.where(done, new_mean, site_mean))
-        site_precision.copy_(torch.where(done, new_precision, site_precision))
-        return done
+        return done, torch.where(done, new_mean, site_mean), torch.where(done, new_precision, site_precision)
+
+    def keep(self, site_mean: Tensor, site_precision: Tensor) -> None:
+        """Stores sites computed by a call as the distribution's."""
+        current_mean, current_precision = self.e_step.strategy._variational_distribution()
+        with torch.no_grad():
+            current_mean.copy_(site_mean)
+            current_precision.copy_(site_precision)

@@ -8,7 +8,7 @@ from ..optim import RecursiveGradientPropagation
 from ..variational import KalmanIncrements, KalmanVariationalStrategy
 from .lean_kalman_blocks import NOT_FINITE, LeanKalmanBlocks, all_finite
 from .optimizer_updates import optimizer_update, unsupported_optimizer
-from .training_step import _own_code, warn_fallback
+from .training_step import _own_code, unsupported_torch, warn_fallback
 
 
 class RecursiveTrainingStep:
@@ -248,7 +248,7 @@ def _unsupported(srgp: RecursiveGradientPropagation) -> str | None:
     """Why the lean path cannot take ``srgp``'s step, or None when it can."""
     if type(srgp) is not RecursiveGradientPropagation:
         return f"{type(srgp).__name__} (supported: RecursiveGradientPropagation; no subclasses)"
-    reason = LeanKalmanBlocks.unsupported(srgp.strategy.model, srgp.strategy.likelihood)
+    reason = unsupported_torch() or LeanKalmanBlocks.unsupported(srgp.strategy.model, srgp.strategy.likelihood)
     if reason is not None:
         return reason
     if type(srgp.optimizer) is not torch.optim.Adam:

@@ -121,12 +121,12 @@ class TrainingStep:
         value = loss.detach()
         gradients = torch.autograd.grad(loss, self.parameters, allow_unused=True)
         with torch.no_grad():
-            # The E-step first, at this forward pass's marginals (t-SVGP's default schedule; the other updates do not
-            # change what it reads).
-            e_step_done = None if self._e_step is None else self._e_step(y, statistics, e_step_lr)
+            # The E-step at this forward pass's marginals (t-SVGP's default schedule; the other updates do not change
+            # what it reads); its new sites are stored after the compiled region (LeanEStep).
+            e_step = None if self._e_step is None else self._e_step(y, statistics, e_step_lr)
             for update, update_rates in zip(self._updates, rates or [None] * len(self._updates)):
                 update(gradients, update_rates)
-        return value, e_step_done
+        return value, e_step
 
     def _check(self, x: Tensor, y: Tensor) -> None:
         """Validates the mini-batch before anything changes. A batch whose tensors have the types, shapes, dtypes and
@@ -172,13 +172,16 @@ class TrainingStep:
             for optimizer, group_scales in zip(self._rate_optimizers, scales, strict=True)
         ]
         with self._trace_autograd_ops:
-            loss, e_step_done = self._function(x, y, draws, e_step_lr, rates)
+            loss, e_step = self._function(x, y, draws, e_step_lr, rates)
         if self._cuda_graphs:  # the graph's output memory is overwritten by its next replay
             loss = loss.clone()
         for optimizer, group_scales in zip(self._rate_optimizers, scales, strict=True):
             if optimizer is not None:
                 optimizer.keep_function_scales(group_scales)
+        e_step_done = None
         if self._e_step is not None:
+            e_step_done, *sites = e_step
+            self._e_step.keep(*sites)
             # What the eager E-step leaves behind: no cached factors of the old sites.
             self.model.variational_strategy._clear_cache()
             self._e_step.e_step._last_factors = None
@@ -195,8 +198,19 @@ class TrainingStep:
         return loss
 
 
+def unsupported_torch() -> str | None:
+    """Why this torch cannot run the lean (and compiled) steps, or None when it can: they are tested with torch 2.11
+    and 2.13; torch 2.5 lacks Dynamo's ``trace_autograd_ops`` and breaks their graphs."""
+    if torch.__version__ < (2, 11):
+        return f"torch {torch.__version__} (the lean and compiled steps need torch >= 2.11)"
+    return None
+
+
 def _unsupported(mll, e_steps: list, gradient_optimizers: list) -> str | None:
     """Why the lean path cannot take this step, or None when it can."""
+    reason = unsupported_torch()
+    if reason is not None:
+        return reason
     reason = next((r for r in map(unsupported_optimizer, gradient_optimizers) if r is not None), None)
     if reason is None:
         reason = LeanELBO.unsupported(mll)

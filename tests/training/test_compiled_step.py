@@ -12,7 +12,7 @@ import gpytorch
 import pytest
 import torch
 
-from gpytorch_decoupled.optim import DualEStep
+from gpytorch_decoupled.optim import DualEStep, RecursiveGradientPropagation
 from gpytorch_decoupled.training import TrainingStep, compile_training_step
 from gpytorch_decoupled.validation import checks_target_values
 from tests.training.training_cases import make_case, optimizers
@@ -121,6 +121,28 @@ def test_unsupported_model_falls_back_to_eager_with_a_warning():
     assert "covar_module" in step.fallback_reason
     reference = TrainingStep(eager_mll, eager_opts, lean=False)
     torch.testing.assert_close(step(x, y), reference(x, y), rtol=0, atol=0)
+
+
+def test_torch_older_than_2_11_falls_back_to_eager_with_a_warning(monkeypatch):
+    # torch 2.5 lacks Dynamo's trace_autograd_ops and breaks the lean step's graphs: eager steps there (tested by hand
+    # on torch 2.5.1, where the rest of the suite passes), for every kind of compiled step.
+    from torch.torch_version import TorchVersion
+
+    from tests.recursive_problems import make_model, problem
+
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.10.1"))
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["orthnat"])
+    eager_model, eager_likelihood, eager_mll, eager_opts, _, _ = _training(FAMILIES["orthnat"])
+    with pytest.warns(UserWarning, match=r"torch 2\.10\.1 \(the lean and compiled steps need torch >= 2\.11\)"):
+        step = compile_training_step(mll, opts)
+    reference = TrainingStep(eager_mll, eager_opts, lean=False)
+    torch.testing.assert_close(step(x, y), reference(x, y), rtol=0, atol=0)
+    recursive_model, recursive_likelihood = make_model(problem(dims=2)[2])
+    adam = torch.optim.Adam([*recursive_model.parameters(), *recursive_likelihood.parameters()], lr=0.05)
+    srgp = RecursiveGradientPropagation(recursive_model, recursive_likelihood, adam)
+    for compiled in (srgp, srgp.strategy):
+        with pytest.warns(UserWarning, match="need torch >= 2.11"):
+            assert "torch 2.10.1" in compile_training_step(compiled).fallback_reason
 
 
 def test_unsupported_optimizer_falls_back():

@@ -69,12 +69,12 @@ def test_tsvgp_e_step_matches_dual_e_step():
     sites = model.variational_strategy._variational_distribution()
     before = [site.clone() for site in sites]
     with torch.no_grad():
-        done = LeanEStep(e_step, lean.likelihood)(y[:24], statistics, torch.tensor(0.4, dtype=torch.float64))
+        done, *lean_sites = LeanEStep(e_step, lean.likelihood)(
+            y[:24], statistics, torch.tensor(0.4, dtype=torch.float64)
+        )
     assert done
-    lean_sites = [site.clone() for site in sites]
-    for site, old in zip(sites, before, strict=True):
-        site.copy_(old)
-        assert not torch.equal(site, lean_sites[0]) and not torch.equal(site, lean_sites[1])
+    for site, old, new in zip(sites, before, lean_sites, strict=True):
+        assert torch.equal(site, old) and not torch.equal(site, new)  # stored by the caller (LeanEStep.keep)
     e_step.step(x[:24], y[:24])
     for value, expected in zip(lean_sites, sites, strict=True):
         torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12 * expected.abs().max())
