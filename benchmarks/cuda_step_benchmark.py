@@ -124,6 +124,10 @@ def _ratios(by_batch: dict) -> dict:
         ratios[f"largebatch_adam_vs_gpytorch_svgp_adam_b{batch_size}"] = ratio(
             "gpytorch-largebatch-adam", "gpytorch-svgp-adam"
         )
+        # what the mean basis costs once both steps are graphs
+        ratios[f"orthnat_graphs_vs_svgp_natural_graphs_b{batch_size}"] = ratio(
+            "ours-orthnat-graphs", "ours-svgp-natural-graphs"
+        )
     return ratios
 
 
