@@ -50,9 +50,10 @@ class TrainingStep:
       not meaningful.
     * **CUDA graphs** (``mode="reduce-overhead"`` or ``"max-autotune"`` on a GPU): Inductor replays a captured graph
       only if every tensor the step updates in place has a fixed address. Parameters have one; the optimizers' state
-      and the model's and likelihood's buffers (t-SVGP's sites) are marked so
-      (:func:`torch._dynamo.mark_static_address`), and the returned loss is a copy (a graph's outputs are overwritten
-      by its next replay).
+      and the model's and likelihood's buffers are marked so (:func:`torch._dynamo.mark_static_address`), t-SVGP's new
+      sites are stored after the graph (as on every device), the jitter escalation of the Cholesky factorizations
+      runs between graphs (:func:`~gpytorch_decoupled.linalg.jittered_cholesky`), and the returned loss is a copy (a
+      graph's outputs are overwritten by its next replay).
 
     :param mll: The objective (e.g. :class:`gpytorch.mlls.VariationalELBO`), with its model and likelihood.
     :param optimizers: The optimizers to step after each backward pass (each parameter in at most one of them).
