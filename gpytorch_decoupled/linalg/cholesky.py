@@ -69,8 +69,10 @@ def jittered_cholesky(
 
     Under :func:`torch.compile` the same jitter ladder runs without data-dependent Python control flow (so without a
     graph break): :func:`torch.cond` runs the escalation only when the first factorization fails, so the factor equals
-    the eager one. A compiled call neither checks for NaN nor warns nor raises: a matrix that is still not positive
-    definite at the last jitter gives a NaN factor, which the caller detects (the compiled training step of
+    the eager one (on a GPU an operator that Inductor runs between CUDA graphs does, since a graph holding
+    :func:`torch.cond` is not captured; it synchronizes once to read the factorization's status). A compiled call
+    neither checks for NaN nor warns nor raises: a matrix that is still not positive definite at the last jitter gives
+    a NaN factor, which the caller detects (the compiled training step of
     :func:`gpytorch_decoupled.training.compile_training_step` checks that its loss is finite).
 
     Gradients flow back to :attr:`A` as through :func:`torch.linalg.cholesky` (the gradient is that of a symmetric
