@@ -133,6 +133,8 @@ def _ratios(by_batch: dict) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("cuda-step needs a CUDA GPU (torch.cuda.is_available() is False); --device cpu runs it here.")
     configs = args.configs or list(CONFIGS)
     split = datasets.load(args.dataset, split=0)
     x = split.train_x.float()

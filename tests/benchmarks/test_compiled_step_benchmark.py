@@ -2,6 +2,7 @@ import inspect
 import json
 
 import pytest
+import torch
 
 from benchmarks.cli import main
 from benchmarks.compiled_step_benchmark import GOALS
@@ -32,8 +33,6 @@ def test_compiled_step_tiny_run(tmp_path, capsys):
 def test_lean_and_compiled_configurations_take_the_lean_path(family, mode, recwarn):
     # a fallback would time the eager step under the lean or compiled name; the worker refuses it (RuntimeError)
     config = f"{family}-{mode}"
-    import torch
-
     from benchmarks.compiled_step_worker import make_step
 
     x = torch.randn(64, 3)
@@ -45,6 +44,12 @@ def test_lean_and_compiled_configurations_take_the_lean_path(family, mode, recwa
     if mode == "graphs":  # compiled for CUDA graphs (bench cuda-step); t-SVGP's iteration wraps its training step
         training_step = inspect.getclosurevars(step).nonlocals["lean"] if family == "ours-tsvgp" else step
         assert training_step.compiled and training_step._cuda_graphs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_cuda_step_without_a_gpu_says_so():
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        main(["cuda-step"])
 
 
 def test_cuda_step_tiny_run_on_the_cpu(tmp_path, capsys):
