@@ -21,6 +21,7 @@ without compiling (``TrainingStep(mll, optimizers, compile=False)``: no compile 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -57,6 +58,23 @@ PAIRS = {
     "ours-orthnat-compiled": "ours-orthnat-eager",
     "ours-tsvgp-compiled": "ours-tsvgp-eager",
 }
+
+
+def crossover_steps(compiled: dict, eager: dict, first_step: str = "first_step_s") -> float:
+    """Steps after which the compiled step has paid for its compilation: ``(first compiled step − first eager step) ÷
+    (eager − compiled step time)`` from two configurations' summaries (``step_ms`` and the first step's seconds
+    under ``first_step``); inf where compiling saves nothing."""
+    saved_s = (eager["step_ms"] - compiled["step_ms"]) / 1e3
+    extra_s = compiled[first_step] - eager[first_step]
+    return extra_s / saved_s if saved_s > 0 else float("inf")
+
+
+def step_ratio(summary: dict, ours: str, theirs: str) -> float:
+    """Median step time of configuration ``ours`` over that of ``theirs`` in ``summary``; NaN where either is
+    missing."""
+    if ours in summary and theirs in summary:
+        return summary[ours]["step_ms"] / summary[theirs]["step_ms"]
+    return float("nan")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,15 +170,10 @@ def run(args: argparse.Namespace) -> dict:
         }
     for compiled, eager in PAIRS.items():
         if compiled in summary and eager in summary:
-            saved_ms = summary[eager]["step_ms"] - summary[compiled]["step_ms"]
-            extra_s = summary[compiled]["first_step_s_cold"] - summary[eager]["first_step_s_cold"]
-            summary[compiled]["crossover_steps"] = extra_s / (saved_ms / 1e3) if saved_ms > 0 else float("inf")
-
-    def ratio(ours: str, theirs: str) -> float:
-        if ours in summary and theirs in summary:
-            return summary[ours]["step_ms"] / summary[theirs]["step_ms"]
-        return float("nan")
-
+            summary[compiled]["crossover_steps"] = crossover_steps(
+                summary[compiled], summary[eager], "first_step_s_cold"
+            )
+    ratio = functools.partial(step_ratio, summary)
     ratios = {
         "orthnat_compiled_vs_gpflow_natgrad_adam": ratio("ours-orthnat-compiled", "gpflow-svgp-natgrad-adam"),
         "tsvgp_compiled_vs_gpflow_natgrad_adam": ratio("ours-tsvgp-compiled", "gpflow-svgp-natgrad-adam"),

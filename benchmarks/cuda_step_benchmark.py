@@ -26,6 +26,7 @@ from gpytorch_decoupled import datasets
 
 from .benchmark import Benchmark
 from .common_arguments import DEFAULT_RESULTS_DIR
+from .compiled_step_benchmark import crossover_steps, step_ratio
 from .compiled_step_worker import make_step
 from .methods.inducing_points import initial_inducing_points
 from .report import benchmark_payload, format_ratios, write_results
@@ -99,22 +100,14 @@ def _measure_batch_size(configs, data: dict, batch_size: int, args, device: torc
     for family in FAMILIES:
         graphs, eager = summary.get(f"{family}-graphs"), summary.get(f"{family}-eager")
         if graphs and eager:
-            saved_s = (eager["step_ms"] - graphs["step_ms"]) / 1e3
-            extra_s = graphs["first_step_s"] - eager["first_step_s"]
-            graphs["crossover_steps"] = extra_s / saved_s if saved_s > 0 else float("inf")
+            graphs["crossover_steps"] = crossover_steps(graphs, eager)
     return summary, skipped
-
-
-def _ratio(summary: dict, ours: str, theirs: str) -> float:
-    if ours in summary and theirs in summary:
-        return summary[ours]["step_ms"] / summary[theirs]["step_ms"]
-    return float("nan")
 
 
 def _ratios(by_batch: dict) -> dict:
     ratios = {}
     for batch_size, summary in by_batch.items():
-        ratio = functools.partial(_ratio, summary)
+        ratio = functools.partial(step_ratio, summary)
         for family in FAMILIES:
             name = family.removeprefix("ours-").replace("-", "_")
             graphs = f"{family}-graphs"
