@@ -6,6 +6,7 @@ the KL divergence from a whitened prior."""
 from ._squared_distance_quadratic_form import squared_distance_quadratic_form
 from .cholesky import jittered_cholesky, reset_jitter_warnings
 from .congruence import congruence
+from .cpu_memory import keep_freed_cpu_memory
 from .diagonal import add_to_diagonal, identity_like
 from .finite import all_finite
 from .kernel_matvec import kernel_matvec
@@ -42,6 +43,7 @@ __all__ = [
     "congruence",
     "identity_like",
     "jittered_cholesky",
+    "keep_freed_cpu_memory",
     "kernel_keep_size",
     "kernel_matvec",
     "kernel_quadratic_form",

@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..linalg import keep_freed_cpu_memory
 from ..variational import KalmanVariationalStrategy
 from .lean_kalman_blocks import NOT_FINITE, LeanKalmanBlocks
 from .training_step import _own_code, unsupported_torch, warn_fallback
@@ -58,6 +59,7 @@ class KalmanUpdateStep:
     """
 
     def __init__(self, strategy: KalmanVariationalStrategy, *, compile: bool = True, lean: bool = True, **options):
+        keep_freed_cpu_memory()
         self.strategy = strategy
         self.likelihood = strategy.resolved_likelihood(None, "compile_training_step")
         reason = (

@@ -4,6 +4,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call, jvp, vmap
 
+from ..linalg import keep_freed_cpu_memory
 from ..optim import RecursiveGradientPropagation
 from ..variational import KalmanIncrements, KalmanVariationalStrategy
 from .lean_kalman_blocks import NOT_FINITE, LeanKalmanBlocks, all_finite
@@ -82,6 +83,7 @@ class RecursiveTrainingStep:
     def __init__(
         self, srgp: RecursiveGradientPropagation, *, compile: bool = True, lean: bool = True, **compile_options
     ):
+        keep_freed_cpu_memory()
         self.srgp = srgp
         self.strategy = srgp.strategy
         self.compiled = compile

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..gpytorch_compat import initialize_variational_distribution
-from ..linalg import all_finite
+from ..linalg import all_finite, keep_freed_cpu_memory
 from ..optim import DualEStep, MeanBasisAdam
 from ..validation import check_inputs, check_targets, checks_target_values
 from ..variational import DualVariationalStrategy
@@ -63,6 +63,7 @@ class TrainingStep:
     """
 
     def __init__(self, mll, optimizers, *, compile: bool = True, lean: bool = True, **compile_options):
+        keep_freed_cpu_memory()
         self.mll = mll
         self.model = mll.model
         self.likelihood = mll.likelihood

@@ -10,7 +10,13 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from ..gpytorch_compat import cache_safe
-from ..linalg import coefficient_proportional_rows, column_sampled_quadratic_form, kernel_matvec, kernel_quadratic_form
+from ..linalg import (
+    coefficient_proportional_rows,
+    column_sampled_quadratic_form,
+    keep_freed_cpu_memory,
+    kernel_matvec,
+    kernel_quadratic_form,
+)
 from ..linalg.kernel_matvec import fused_block
 from ._replace_tensor import replace_tensor
 from .joint_prior import JointPrior, joint_prior
@@ -166,6 +172,7 @@ class MeanBasis(Module):
         importance_sampling: bool = False,
     ):
         super().__init__()
+        keep_freed_cpu_memory()  # the basis's step allocates vectors and kernel tiles of its size
         # Kept by reference, outside the module tree, like a strategy's model: registering them again here would
         # duplicate their parameters in the state dict.
         object.__setattr__(self, "model", model)
