@@ -4,11 +4,13 @@ training step computes gradients with :func:`torch.autograd.grad` and applies ev
 :meth:`torch.optim.Optimizer.step` cannot be captured there: it graph-breaks on purpose to switch grad mode
 (pytorch/pytorch#104053) and on parameters whose ``.grad`` the graph assigned. Each update reproduces the optimizer's
 own eager step (the same arithmetic, the same state in ``optimizer.state``), so a compiled step and
-``optimizer.step()`` can alternate freely. Hyperparameters (``lr`` ...) are read at every step: changing them (e.g. a
-learning-rate scheduler) recompiles the step once per new value (and after ``torch._dynamo.config.recompile_limit``
-values the step runs eagerly). :class:`~gpytorch_decoupled.optim.MeanBasisAdam`'s rate, divided by a function scale
-estimated from random kernel evaluations at every step, is computed before the compiled region (as its ``step()``
-computes it) and enters the graph as a tensor.
+``optimizer.step()`` can alternate freely. Every group's learning rate enters the graph as a tensor, read before the
+compiled region at every step (:func:`group_rates`), so that a learning-rate scheduler changes no constant of the graph
+and never recompiles it; :class:`~gpytorch_decoupled.optim.MeanBasisAdam`'s rate is divided there by its function
+scale, estimated from random kernel evaluations, as its ``step()`` computes it. The other hyperparameters (Adam's
+``betas``, ``eps``, ``weight_decay``, ``maximize``, NGD's ``num_data``) are constants of the graph: changing one
+recompiles the step once per new value (and after ``torch._dynamo.config.recompile_limit`` values the step runs
+eagerly).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from torch import Tensor
 
 from ..optim import MeanBasisAdam
 
-# an update takes the gradients of all the step's parameters and, for MeanBasisAdam, each group's rate (a tensor)
-Update = Callable[[Sequence[Tensor | None], Sequence[Tensor] | None], None]
+# an update takes the gradients of all the step's parameters and its optimizer's rates, one per parameter group (a
+# float64 tensor: group_rates)
+Update = Callable[[Sequence[Tensor | None], Tensor], None]
 
 
 def unsupported_optimizer(optimizer) -> str | None:
@@ -41,33 +44,59 @@ def unsupported_optimizer(optimizer) -> str | None:
     return f"{type(optimizer).__name__} (supported: torch.optim.Adam, gpytorch.optim.NGD, MeanBasisAdam, DualEStep)"
 
 
+def group_rates(optimizer, function_scales: Sequence[Tensor] | None = None) -> list[float]:
+    r"""The learning rate of each of ``optimizer``'s parameter groups for this step, as its ``step()`` would use it:
+    the group's ``lr``, divided by the group's function scale for :class:`~gpytorch_decoupled.optim.MeanBasisAdam`
+    (``function_scales``, from its :meth:`~gpytorch_decoupled.optim.MeanBasisAdam.smoothed_function_scales`)."""
+    if function_scales is None:
+        return [float(group["lr"]) for group in optimizer.param_groups]
+    return [group["lr"] / float(scale) for group, scale in zip(optimizer.param_groups, function_scales, strict=True)]
+
+
 def optimizer_update(optimizer, positions: list[list[int]]) -> Update:
     r"""
     The update of ``optimizer`` as a function of the gradients of all the step's parameters, where ``positions[g][i]``
     is the index of parameter ``i`` of group ``g`` among them. Creates the optimizer's state now where it has none
     (exactly as its first ``step()`` would), so that the compiled region only reads and updates it.
+
+    The update reads the optimizer's ``param_groups`` and ``state`` through references taken here, never through the
+    optimizer object: Dynamo guards every entry of the groups of an optimizer it traces, the learning rates too, which
+    would recompile the step at every change of a rate. :meth:`torch.optim.Optimizer.load_state_dict` replaces both
+    objects: then :func:`is_current` is False, and the caller builds the update again.
     """
     if type(optimizer) is gpytorch.optim.NGD:
-        return _ngd_update(optimizer, positions)
-    return _adam_update(optimizer, positions)
+        update = _ngd_update(optimizer.param_groups, optimizer.num_data, positions)
+    else:
+        update = _adam_update(optimizer.param_groups, optimizer.state, positions)
+    update.sources = (optimizer.param_groups, optimizer.state)
+    return update
 
 
-def _ngd_update(optimizer, positions: list[list[int]]) -> Update:
-    def update(gradients: Sequence[Tensor | None], rates: Sequence[Tensor] | None = None) -> None:
-        for group, indices in zip(optimizer.param_groups, positions):
+def is_current(update: Update, optimizer) -> bool:
+    """Whether ``update`` (:func:`optimizer_update`) still reads ``optimizer``'s groups and state (False after the
+    optimizer's ``load_state_dict``)."""
+    groups, state = update.sources
+    return groups is optimizer.param_groups and state is optimizer.state
+
+
+def _ngd_update(param_groups: list[dict], num_data: int, positions: list[list[int]]) -> Update:
+    def update(gradients: Sequence[Tensor | None], rates: Tensor) -> None:
+        for number, indices in enumerate(positions):
+            group = param_groups[number]
+            step = rates[number] * num_data
             for parameter, index in zip(group["params"], indices):
                 if gradients[index] is not None:
                     # through a flat view: see _adam_parameter_update
-                    parameter.view(-1).add_(gradients[index].reshape(-1), alpha=-group["lr"] * optimizer.num_data)
+                    parameter.view(-1).sub_(gradients[index].reshape(-1) * step)
 
     return update
 
 
-def _adam_update(optimizer: torch.optim.Adam, positions: list[list[int]]) -> Update:
-    for group in optimizer.param_groups:
+def _adam_update(param_groups: list[dict], states: dict, positions: list[list[int]]) -> Update:
+    for group in param_groups:
         capturable = group["capturable"] or any(parameter.device.type != "cpu" for parameter in group["params"])
         for parameter in group["params"]:
-            state = optimizer.state[parameter]
+            state = states[parameter]
             if len(state) == 0:
                 # What Adam's _init_group creates on a parameter's first step.
                 step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -76,16 +105,16 @@ def _adam_update(optimizer: torch.optim.Adam, positions: list[list[int]]) -> Upd
                 state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
 
-    def update(gradients: Sequence[Tensor | None], rates: Sequence[Tensor] | None = None) -> None:
-        for number, (group, indices) in enumerate(zip(optimizer.param_groups, positions)):
+    def update(gradients: Sequence[Tensor | None], rates: Tensor) -> None:
+        for number, indices in enumerate(positions):
+            group = param_groups[number]
             beta1, beta2 = group["betas"]
-            lr = group["lr"] if rates is None else rates[number]
+            lr = rates[number]
             for parameter, index in zip(group["params"], indices):
                 gradient = gradients[index]
                 if gradient is None:
                     continue
-                state = optimizer.state[parameter]
-                _adam_parameter_update(parameter, gradient, state, group, lr, beta1, beta2)
+                _adam_parameter_update(parameter, gradient, states[parameter], group, lr, beta1, beta2)
 
     return update
 

@@ -8,8 +8,8 @@ from ..linalg import keep_freed_cpu_memory
 from ..optim import RecursiveGradientPropagation
 from ..variational import KalmanIncrements, KalmanVariationalStrategy
 from .lean_kalman_blocks import NOT_FINITE, LeanKalmanBlocks, all_finite
-from .optimizer_updates import optimizer_update, unsupported_optimizer
-from .training_step import _own_code, unsupported_torch, warn_fallback
+from .optimizer_updates import group_rates, is_current, optimizer_update, unsupported_optimizer
+from .training_step import _own_code, mark_stepped, unsupported_torch, warn_fallback
 
 
 class RecursiveTrainingStep:
@@ -103,6 +103,7 @@ class RecursiveTrainingStep:
         groups = [
             [positions.get(id(p), len(parameters)) for p in group["params"]] for group in srgp.optimizer.param_groups
         ]
+        self._groups = groups
         self._update = optimizer_update(srgp.optimizer, groups)
         in_kernel = {id(parameter) for parameter in model.covar_module.parameters()} | {
             id(self.strategy.inducing_points)
@@ -112,7 +113,13 @@ class RecursiveTrainingStep:
 
     # ------------------------------------------------------------------ the graph
     def _lean_step(
-        self, x: Tensor, y: Tensor, information_vector: Tensor, information_matrix: Tensor, epoch: dict | None
+        self,
+        x: Tensor,
+        y: Tensor,
+        information_vector: Tensor,
+        information_matrix: Tensor,
+        epoch: dict | None,
+        rates: Tensor,
     ) -> tuple[Tensor, Tensor]:
         srgp, parameters = self.srgp, self.srgp._parameters
         prior_keys = [] if epoch is None else [key for key, value in epoch.items() if value.requires_grad]
@@ -145,7 +152,7 @@ class RecursiveTrainingStep:
                 if id(parameter) in histories:
                     total += histories[id(parameter)].to(parameter.dtype)
                 totals.append(total.neg_())
-            self._update([*totals, None])
+            self._update([*totals, None], rates)
         return psi.detach().sum(), done
 
     def _increment_jacobians(self, x: Tensor, y: Tensor, increments: KalmanIncrements) -> tuple[Tensor, ...]:
@@ -231,13 +238,18 @@ class RecursiveTrainingStep:
                 for name, value in srgp._epoch_parameters.items()
             }
         saved = _optimizer_snapshot(srgp.optimizer)
+        # the optimizer's rates as data: a learning-rate scheduler does not recompile the step
+        rates = torch.tensor(group_rates(srgp.optimizer), dtype=torch.float64, device=x.device)
+        if not is_current(self._update, srgp.optimizer):  # after the optimizer's load_state_dict
+            self._update = optimizer_update(srgp.optimizer, self._groups)
         with torch._dynamo.config.patch(trace_autograd_ops=True):
-            psi, done = self._function(x, y, information_vector, information_matrix, epoch)
+            psi, done = self._function(x, y, information_vector, information_matrix, epoch, rates)
         if not done:
             _restore(srgp.optimizer, saved)
             raise RuntimeError(
                 NOT_FINITE + "the state, the Jacobians, the parameters and the optimizer's state were left unchanged."
             )
+        mark_stepped([srgp.optimizer])
         self.blocks.count(x.size(-2))
         srgp._num_observed = strategy.num_observed
         if srgp._inducing_jacobians is not None:

@@ -16,7 +16,7 @@ from ..variational import DualVariationalStrategy
 from .eager_training_step import eager_training_step
 from .lean_e_step import LeanEStep
 from .lean_elbo import LeanELBO
-from .optimizer_updates import optimizer_update, unsupported_optimizer
+from .optimizer_updates import group_rates, is_current, optimizer_update, unsupported_optimizer
 
 
 class TrainingStep:
@@ -99,12 +99,14 @@ class TrainingStep:
             self._updates = []
             self._function = None
             return
+        self._positions = optimizer_positions
         self._updates = [
             optimizer_update(optimizer, groups) for optimizer, groups in zip(gradient_optimizers, optimizer_positions)
         ]
-        self._rate_optimizers = [
-            optimizer if type(optimizer) is MeanBasisAdam else None for optimizer in gradient_optimizers
-        ]
+        self._gradient_optimizers = gradient_optimizers
+        # where each optimizer's group rates start in the step's tensor of rates
+        counts = [len(optimizer.param_groups) for optimizer in gradient_optimizers]
+        self._rate_slices = [slice(sum(counts[:number]), sum(counts[: number + 1])) for number in range(len(counts))]
         self._cuda_graphs = compile and _uses_cuda_graphs(compile_options)
         if self._cuda_graphs:
             for tensor in _updated_in_place(self.optimizers, self.model, self.likelihood):
@@ -116,9 +118,7 @@ class TrainingStep:
         self._checked_signature: tuple | None = None
         self._finiteness_suffices = not checks_target_values(self.likelihood)
 
-    def _lean_step(
-        self, x: Tensor, y: Tensor, draws: Tensor | None, e_step_lr: Tensor | None, rates: list | None = None
-    ):
+    def _lean_step(self, x: Tensor, y: Tensor, draws: Tensor | None, e_step_lr: Tensor | None, rates: Tensor):
         loss, statistics = self.lean.loss_and_statistics(x, y, draws)
         value = loss.detach()
         gradients = torch.autograd.grad(loss, self.parameters, allow_unused=True)
@@ -126,9 +126,16 @@ class TrainingStep:
             # The E-step at this forward pass's marginals (t-SVGP's default schedule; the other updates do not change
             # what it reads); its new sites are stored after the compiled region (LeanEStep).
             e_step = None if self._e_step is None else self._e_step(y, statistics, e_step_lr)
-            for update, update_rates in zip(self._updates, rates or [None] * len(self._updates)):
-                update(gradients, update_rates)
+            for update, rate_slice in zip(self._updates, self._rate_slices, strict=True):
+                update(gradients, rates[rate_slice])
         return value, e_step
+
+    def _refresh_updates(self) -> None:
+        """Builds an optimizer's update again after its ``load_state_dict`` replaced the groups and state the update
+        reads (the compiled step recompiles once)."""
+        for number, optimizer in enumerate(self._gradient_optimizers):
+            if not is_current(self._updates[number], optimizer):
+                self._updates[number] = optimizer_update(optimizer, self._positions[number])
 
     def _check(self, x: Tensor, y: Tensor) -> None:
         """Validates the mini-batch before anything changes. A batch whose tensors have the types, shapes, dtypes and
@@ -159,27 +166,28 @@ class TrainingStep:
         e_step_lr = None
         if self._e_step is not None:
             e_step_lr = torch.tensor(self._e_step.lr(), dtype=torch.float64, device=x.device)
-        # MeanBasisAdam's rates: its function scales from kernel draws at the current parameters, as its step()
-        # computes them (it comes before any optimizer that moves the kernel: _unsupported), as tensors.
+        # Every group's learning rate as one tensor (a scheduler's new rate is new data, not a new graph), with
+        # MeanBasisAdam's divided by its function scales from kernel draws at the current parameters, as its step()
+        # computes them (it comes before any optimizer that moves the kernel: _unsupported).
         scales = [
-            None if optimizer is None else optimizer.smoothed_function_scales() for optimizer in self._rate_optimizers
+            optimizer.smoothed_function_scales() if type(optimizer) is MeanBasisAdam else None
+            for optimizer in self._gradient_optimizers
         ]
         rates = [
-            None
-            if optimizer is None
-            else [
-                torch.tensor(group["lr"] / float(scale), dtype=torch.float64, device=scale.device)
-                for group, scale in zip(optimizer.param_groups, group_scales, strict=True)
-            ]
-            for optimizer, group_scales in zip(self._rate_optimizers, scales, strict=True)
+            rate
+            for optimizer, group_scales in zip(self._gradient_optimizers, scales, strict=True)
+            for rate in group_rates(optimizer, group_scales)
         ]
+        rates = torch.tensor(rates, dtype=torch.float64, device=x.device)
+        self._refresh_updates()
         with self._trace_autograd_ops:
             loss, e_step = self._function(x, y, draws, e_step_lr, rates)
         if self._cuda_graphs:  # the graph's output memory is overwritten by its next replay
             loss = loss.clone()
-        for optimizer, group_scales in zip(self._rate_optimizers, scales, strict=True):
-            if optimizer is not None:
+        for optimizer, group_scales in zip(self._gradient_optimizers, scales, strict=True):
+            if group_scales is not None:
                 optimizer.keep_function_scales(group_scales)
+        mark_stepped(self.optimizers)
         e_step_done = None
         if self._e_step is not None:
             e_step_done, *sites = e_step
@@ -230,6 +238,13 @@ def _unsupported(mll, e_steps: list, gradient_optimizers: list) -> str | None:
     if dual and not e_steps:
         return "a DualVariationalStrategy without its DualEStep among the optimizers (its sites move only by E-steps)"
     return LeanEStep.unsupported(e_steps[0], mll) if e_steps else None
+
+
+def mark_stepped(optimizers) -> None:
+    """Marks the optimizers as stepped, as their ``step()`` does under a learning-rate scheduler (PyTorch's schedulers
+    wrap ``step`` to set this flag, and warn that ``scheduler.step()`` came first where it is not set)."""
+    for optimizer in optimizers:
+        optimizer._opt_called = True
 
 
 def _uses_cuda_graphs(compile_options: dict) -> bool:

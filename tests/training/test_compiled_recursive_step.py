@@ -65,8 +65,9 @@ def test_srgp_step_is_one_graph(case):
     epoch = None
     if srgp.prior == "frozen":
         epoch = {name: value.detach().requires_grad_(True) for name, value in srgp._epoch_parameters.items()}
+    rates = torch.full((len(srgp.optimizer.param_groups),), 0.05, dtype=torch.float64)
     with torch._dynamo.config.patch(trace_autograd_ops=True):
-        explanation = torch._dynamo.explain(step._lean_step)(x[:BATCH], y[:BATCH], *statistics, epoch)
+        explanation = torch._dynamo.explain(step._lean_step)(x[:BATCH], y[:BATCH], *statistics, epoch, rates)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
 

@@ -11,6 +11,7 @@ import copy
 import gpytorch
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from gpytorch_decoupled.optim import DualEStep, RecursiveGradientPropagation
 from gpytorch_decoupled.training import TrainingStep, compile_training_step
@@ -44,7 +45,7 @@ def test_whole_step_is_one_graph(family):
     torch.manual_seed(0)
     draws = step.lean.draws()
     e_step_lr = None if step._e_step is None else torch.tensor(0.5, dtype=torch.float64)
-    rates = [None if o is None else [torch.tensor(0.1, dtype=torch.float64)] for o in step._rate_optimizers]
+    rates = torch.full((sum(len(o.param_groups) for o in step._gradient_optimizers),), 0.1, dtype=torch.float64)
     with torch._dynamo.config.patch(trace_autograd_ops=True):
         explanation = torch._dynamo.explain(step._lean_step)(x, y, draws, e_step_lr, rates)
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -74,6 +75,57 @@ def test_compiled_step_equals_eager_general_step(family):
             optimizer.step(x, y)
         else:
             optimizer.step()
+
+
+@pytest.mark.parametrize("family", ["svgp-natural", "orthnat-mean-basis-adam"])
+def test_learning_rate_schedulers_do_not_recompile(family, recwarn):
+    # every group's rate is data of the graph: a scheduler that changes every optimizer's rate at every step (more
+    # steps than Dynamo's recompile limit) compiles nothing after the first step, does not warn that it stepped before
+    # the optimizer, and the steps equal eager steps under the same schedule
+    model, likelihood, mll, opts, x, y = _training(FAMILIES[family])
+    eager_model, eager_likelihood, eager_mll, eager_opts, _, _ = _training(FAMILIES[family])
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = compile_training_step(mll, opts, backend=counter)
+    eager = TrainingStep(eager_mll, eager_opts, lean=False)
+    schedules = [
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.3 * step))
+        for optimizer in [*opts, *eager_opts]
+    ]
+    compiled_frames = None
+    for index in range(torch._dynamo.config.recompile_limit + 2):
+        batch = slice(4 * (index % 5), 4 * (index % 5) + 24)
+        torch.manual_seed(index)  # the same random draws of MeanBasisAdam's function scale
+        loss = compiled(x[batch], y[batch])
+        compiled_frames = compiled_frames or counter.frame_count
+        torch.manual_seed(index)
+        expected = eager(x[batch], y[batch])
+        torch.testing.assert_close(loss, expected, rtol=1e-11, atol=0)
+        for schedule in schedules:
+            schedule.step()
+    assert opts[0].param_groups[0]["lr"] < 0.5 * opts[0].defaults["lr"]  # the rates did change
+    assert counter.frame_count == compiled_frames
+    assert not [warning for warning in recwarn if "lr_scheduler.step()" in str(warning.message)]
+    for value, expected in zip(_state(model, likelihood), _state(eager_model, eager_likelihood), strict=True):
+        torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_optimizer_load_state_dict_reaches_the_compiled_step():
+    # load_state_dict replaces the optimizer's groups and state: the step reads the new ones (one recompilation)
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["svgp-natural"])
+    eager_model, eager_likelihood, eager_mll, eager_opts, _, _ = _training(FAMILIES["svgp-natural"])
+    compiled = compile_training_step(mll, opts, backend="aot_eager")
+    eager = TrainingStep(eager_mll, eager_opts, lean=False)
+    for step in (compiled, eager):
+        step(x, y)
+    for adam in (opts[1], eager_opts[1]):
+        saved = copy.deepcopy(adam.state_dict())
+        saved["param_groups"][0]["lr"] = 0.2  # a checkpoint with another rate and the Adam moments of one step
+        adam.load_state_dict(saved)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x, y), eager(x, y), rtol=1e-11, atol=0)
+    for value, expected in zip(_state(model, likelihood), _state(eager_model, eager_likelihood), strict=True):
+        torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
+    assert opts[1].state[opts[1].param_groups[0]["params"][0]]["step"] == 3
 
 
 def _state(model, likelihood):
