@@ -23,9 +23,12 @@ def compile_training_step(
     :class:`~gpytorch_decoupled.variational.KalmanVariationalStrategy` (its ``update(x, y)``;
     :class:`~gpytorch_decoupled.training.KalmanUpdateStep`).
 
-    The first call compiles (tens of seconds on a CPU; each new input shape or dtype compiles again, so keep batches
-    of one size, e.g. ``drop_last=True``); from then on a step costs little more than its arithmetic. Models whose
-    parts the lean path does not support (:attr:`TrainingStep.fallback_reason`) train eagerly, with a warning.
+    The first call compiles (tens of seconds on a CPU); from then on a step costs little more than its arithmetic.
+    The batch size is a dynamic dimension of that compilation, so a loader's smaller last batch takes the same graph
+    (not with ``dynamic=False``, CUDA graphs or SRGP's step, which compile once per new batch size); a new dtype or
+    device compiles again, and so do changes of optimizer hyperparameters other than the learning rates, which enter
+    the graph as data (learning-rate schedulers do not recompile). Models whose parts the lean path does not support
+    (:attr:`TrainingStep.fallback_reason`) train eagerly, with a warning.
 
     :param mll: The objective, e.g. :class:`gpytorch.mlls.VariationalELBO` (with its model and likelihood), or an SRGP
         object, or a Kalman strategy.

@@ -6,7 +6,7 @@ from torch import Tensor
 from ..linalg import keep_freed_cpu_memory
 from ..variational import KalmanVariationalStrategy
 from .lean_kalman_blocks import NOT_FINITE, LeanKalmanBlocks
-from .training_step import _own_code, unsupported_torch, warn_fallback
+from .training_step import _own_code, batch_size_is_dynamic, mark_batch_dynamic, unsupported_torch, warn_fallback
 
 
 class KalmanUpdateStep:
@@ -76,6 +76,7 @@ class KalmanUpdateStep:
             return
         self.blocks = LeanKalmanBlocks(strategy.model, self.likelihood)
         self._function = torch.compile(_own_code(self._lean_update), **options) if compile else self._lean_update
+        self._dynamic_batch = compile and batch_size_is_dynamic(options)
 
     @torch.no_grad()
     def _lean_update(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -91,6 +92,8 @@ class KalmanUpdateStep:
         if self._function is None:
             return strategy.update(x, y, self.likelihood)
         x, y = strategy.checked_data(x, y)
+        if self._dynamic_batch:
+            mark_batch_dynamic(x, y)
         psi, done = self._function(x, y)
         if not done:
             raise RuntimeError(NOT_FINITE + "the state was left unchanged.")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from gpytorch_decoupled.optim import RecursiveGradientPropagation
 from gpytorch_decoupled.training import KalmanUpdateStep, RecursiveTrainingStep, compile_training_step
@@ -172,6 +173,27 @@ def test_compiled_kalman_update_equals_update_and_a_failed_one_keeps_the_state()
     for value, expected in zip(strategy.statistics, statistics, strict=True):
         assert torch.equal(value, expected)
     assert torch.equal(strategy.recursive_bound, bound) and strategy.num_observed == x.size(0)
+
+
+def test_one_kalman_update_compilation_serves_every_batch_size():
+    # the batch size is a dynamic dimension from the first compilation: smaller batches take the same graph (SRGP's
+    # step specializes on it: its forward-mode Jacobians are sized by the batch)
+    x, y, z = problem(dims=2)
+    model, _ = make_model(z, "pitc", None, constant_mean=True)
+    reference, _ = make_model(z, "pitc", None, constant_mean=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    update = compile_training_step(model.variational_strategy, backend=counter)
+    compiled_frames = None
+    for index, size in enumerate((BATCH, 7, BATCH, 5)):
+        batch = slice(BATCH * index, BATCH * index + size)
+        expected = reference.variational_strategy.update(x[batch], y[batch])
+        torch.testing.assert_close(update(x[batch], y[batch]), expected, rtol=1e-11, atol=0)
+        compiled_frames = compiled_frames or counter.frame_count
+    assert counter.frame_count == compiled_frames
+    for value, expected in zip(
+        model.variational_strategy.statistics, reference.variational_strategy.statistics, strict=True
+    ):
+        torch.testing.assert_close(value, expected, rtol=1e-11, atol=1e-12)
 
 
 def test_fitc_jacobians_fall_back_to_the_eager_step():

@@ -109,6 +109,38 @@ def test_learning_rate_schedulers_do_not_recompile(family, recwarn):
         torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("family", ["orthnat", "tsvgp"])
+def test_one_compilation_serves_every_batch_size(family):
+    # a loader's smaller last batch (drop_last=False) takes the graph of the first compilation: the batch size is a
+    # dynamic dimension from the start
+    model, likelihood, mll, opts, x, y = _training(FAMILIES[family])
+    eager_model, eager_likelihood, eager_mll, eager_opts, _, _ = _training(FAMILIES[family])
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = compile_training_step(mll, opts, backend=counter)
+    eager = TrainingStep(eager_mll, eager_opts, lean=False)
+    compiled_frames = None
+    for index, size in enumerate([24, 24, 17, 24, 9]):
+        batch = slice(index, index + size)
+        torch.manual_seed(index)
+        loss = compiled(x[batch], y[batch])
+        compiled_frames = compiled_frames or counter.frame_count
+        torch.manual_seed(index)
+        torch.testing.assert_close(loss, eager(x[batch], y[batch]), rtol=1e-11, atol=0)
+    assert counter.frame_count == compiled_frames
+    for value, expected in zip(_state(model, likelihood), _state(eager_model, eager_likelihood), strict=True):
+        torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "options, dynamic",
+    [({}, True), ({"dynamic": None}, True), ({"dynamic": False}, False), ({"mode": "reduce-overhead"}, False)],
+)
+def test_batch_size_is_dynamic_unless_told_or_with_cuda_graphs(options, dynamic):
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["svgp-natural"])
+    assert TrainingStep(mll, opts, **options)._dynamic_batch is dynamic
+    assert TrainingStep(mll, opts, compile=False)._dynamic_batch is False
+
+
 def test_optimizer_load_state_dict_reaches_the_compiled_step():
     # load_state_dict replaces the optimizer's groups and state: the step reads the new ones (one recompilation)
     model, likelihood, mll, opts, x, y = _training(FAMILIES["svgp-natural"])
