@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import warnings
 
 import torch
@@ -68,9 +67,11 @@ def jittered_cholesky(
     for each :attr:`name` (see :func:`reset_jitter_warnings`).
 
     Under :func:`torch.compile` the same jitter ladder runs without data-dependent Python control flow (so without a
-    graph break): :func:`torch.cond` runs the escalation only when the first factorization fails, so the factor equals
-    the eager one (on a GPU an operator that Inductor runs between CUDA graphs does, since a graph holding
-    :func:`torch.cond` is not captured; it synchronizes once to read the factorization's status). A compiled call
+    graph break): an operator (``gpytorch_decoupled::escalated_if_failed``) runs the escalation only when the first
+    factorization fails, so the factor equals the eager one. It is opaque to the compiler, so Inductor runs it between
+    CUDA graphs on a GPU (where it synchronizes once to read the factorization's status), and a compiled graph that
+    holds it can be cached on disk (one holding :func:`torch.cond`, which this once used on the CPU, could not: every
+    process compiled the training step from scratch). A compiled call
     neither checks for NaN nor warns nor raises: a matrix that is still not positive definite at the last jitter gives
     a NaN factor, which the caller detects (the compiled training step of
     :func:`gpytorch_decoupled.training.compile_training_step` checks that its loss is finite).
@@ -206,25 +207,16 @@ def _factor(A: Tensor, jitter: float | None, max_tries: int, name: str) -> Tenso
 def _traceable_factor(A: Tensor, jitter: float | None, max_tries: int, name: str) -> Tensor:
     """:func:`_factor` without data-dependent Python control flow (for :func:`torch.compile`): the escalation runs
     only when the first factorization fails, to the end of the schedule (members that succeed keep their jitter), and
-    a member that never factorizes gets a NaN factor instead of an error. On a CPU it runs in a :func:`torch.cond`
-    branch; on a GPU in an operator that Inductor leaves out of CUDA graphs (a graph holding :func:`torch.cond` is
-    not captured at all), at the cost of one synchronization."""
+    a member that never factorizes gets a NaN factor instead of an error. It runs in an operator, opaque to the
+    compiler: Inductor leaves it out of CUDA graphs (a graph holding :func:`torch.cond` is not captured at all; on a
+    GPU reading the status costs one synchronization), and Inductor's on-disk cache keeps graphs that hold it (it
+    skips those with :func:`torch.cond`)."""
     A64 = A.to(torch.float64)
     member_jitter = torch.full(A.shape[:-2], jitter or 0.0, dtype=A64.dtype, device=A64.device)
     L, info = torch.linalg.cholesky_ex(add_to_diagonal(A64, member_jitter) if jitter else A64)
     relative = _RELATIVE_JITTER.get(A.dtype, _RELATIVE_JITTER_DEFAULT)
-    if A.device.type == "cuda":
-        return _escalated_if_failed(A64, L, info, member_jitter, jitter or 0.0, relative, max_tries).to(A.dtype)
-
-    def escalate(matrix: Tensor, first: Tensor, info: Tensor, member_jitter: Tensor) -> Tensor:
-        return _escalated(matrix, info, member_jitter, jitter, relative, max_tries).mT.contiguous()
-
-    # Both branches return the upper factor L^T in row-major order: LAPACK's L is column-major, so this is a plain
-    # copy (the branch's output may not alias its input) instead of a transposing one.
-    def keep(matrix: Tensor, first: Tensor, info: Tensor, member_jitter: Tensor) -> Tensor:
-        return first.mT.clone(memory_format=torch.contiguous_format)
-
-    return torch.cond(info.any(), escalate, keep, (A64, L, info, member_jitter)).mT.to(A.dtype)
+    upper = _escalated_if_failed(A64, L, info, member_jitter, jitter or 0.0, relative, max_tries)
+    return upper.mT.to(A.dtype)
 
 
 def _escalated(
@@ -245,26 +237,36 @@ def _escalated(
     return torch.where((info > 0)[..., None, None], float("nan"), factor)
 
 
-def _cudagraph_unsafe() -> dict:
-    """The option of :func:`torch.library.custom_op` that makes Inductor run the operator between CUDA graphs instead
-    of inside one, where this torch has it."""
-    tag = getattr(torch._C.Tag, "cudagraph_unsafe", None)
-    if tag is None or "tags" not in inspect.signature(torch.library.custom_op).parameters:
-        return {}
-    return {"tags": (tag,)}
+# The escalation's operator, declared with the C++ dispatcher directly (torch.library.custom_op's Python wrapper cost
+# about 60 microseconds per call, against about 12 for this: the step calls it once per factorization). Tagged, where
+# this torch has the tag, so that Inductor runs it between CUDA graphs instead of inside one.
+_LIBRARY = torch.library.Library("gpytorch_decoupled", "FRAGMENT")
+_CUDAGRAPH_UNSAFE = getattr(torch._C.Tag, "cudagraph_unsafe", None)
+_LIBRARY.define(
+    "escalated_if_failed(Tensor A64, Tensor L, Tensor info, Tensor member_jitter, float jitter, float relative, "
+    "int max_tries) -> Tensor",
+    tags=() if _CUDAGRAPH_UNSAFE is None else (_CUDAGRAPH_UNSAFE,),
+)
 
 
-@torch.library.custom_op("gpytorch_decoupled::escalated_if_failed", mutates_args=(), **_cudagraph_unsafe())
-def _escalated_if_failed(
+def _escalated_if_failed_kernel(
     A64: Tensor, L: Tensor, info: Tensor, member_jitter: Tensor, jitter: float, relative: float, max_tries: int
 ) -> Tensor:
-    """``L`` (a row-major copy) where the first factorization succeeded for every member, else the escalated factor
-    (:func:`_escalated`)."""
+    r"""The upper factor :math:`\mathbf L^\top` in row-major order (the caller transposes it back): of ``L`` where the
+    first factorization succeeded for every member, else of the escalated factor (:func:`_escalated`). LAPACK's
+    ``L`` is column-major, so this is a plain copy (an operator's output may not alias its input), not a transposing
+    one, and the factor the caller gets is column-major, as its triangular solves want it."""
     if not info.any():
-        return L.contiguous().clone()
-    return _escalated(A64, info, member_jitter, jitter or None, relative, max_tries).contiguous()
+        return L.mT.clone(memory_format=torch.contiguous_format)
+    return _escalated(A64, info, member_jitter, jitter or None, relative, max_tries).mT.contiguous()
 
 
-@_escalated_if_failed.register_fake
+_LIBRARY.impl("escalated_if_failed", _escalated_if_failed_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("gpytorch_decoupled::escalated_if_failed", lib=_LIBRARY)
 def _(A64: Tensor, L: Tensor, info: Tensor, member_jitter: Tensor, jitter: float, relative: float, max_tries: int):
-    return torch.empty_like(L, memory_format=torch.contiguous_format)
+    return torch.empty_like(L.mT, memory_format=torch.contiguous_format)
+
+
+_escalated_if_failed = torch.ops.gpytorch_decoupled.escalated_if_failed.default

@@ -11,6 +11,7 @@ from gpytorch.utils.warnings import NumericalWarning
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from linear_operator.utils.errors import NotPSDError
+from torch._dynamo.utils import counters
 
 from gpytorch_decoupled.linalg import jittered_cholesky, reset_jitter_warnings
 from gpytorch_decoupled.linalg.cholesky import _escalated_if_failed
@@ -195,7 +196,7 @@ class TestJitteredCholesky(unittest.TestCase):
 
     @pytest.mark.cuda
     def test_cuda_compiled_escalation_equals_eager(self):
-        # On a GPU the compiled escalation runs in an operator outside CUDA graphs instead of a torch.cond branch.
+        # On a GPU the compiled escalation's operator runs outside CUDA graphs.
         self._assert_compiled_equals_eager("cuda")
 
     def test_compiled_escalation_equals_eager(self):
@@ -224,7 +225,8 @@ class TestJitteredCholesky(unittest.TestCase):
         torch.testing.assert_close(L[1], torch.eye(2, dtype=torch.float64, device=device))
 
     def test_escalation_operator(self):
-        # The operator of the GPU's compiled escalation, called directly: the eager factor, and a valid operator.
+        # The operator of the compiled escalation, called directly: the eager factor (transposed, row-major), and a
+        # valid operator.
         A = torch.stack([_random_spd(6), _rank_deficient_kernel(6)])
         for matrix in (A, A[:1]):
             first, info = torch.linalg.cholesky_ex(matrix)
@@ -233,8 +235,23 @@ class TestJitteredCholesky(unittest.TestCase):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", NumericalWarning)
                 expected = jittered_cholesky(matrix)
-            torch.testing.assert_close(_escalated_if_failed(*arguments), expected, rtol=1e-12, atol=0)
+            upper = _escalated_if_failed(*arguments)
+            self.assertTrue(upper.is_contiguous())
+            torch.testing.assert_close(upper.mT, expected, rtol=1e-12, atol=0)
             torch.library.opcheck(_escalated_if_failed, arguments)
+
+    @pytest.mark.inductor
+    def test_compiled_factorization_is_cached_on_disk(self):
+        # The escalation is an operator, not a torch.cond branch, so Inductor's on-disk graph cache keeps graphs that
+        # factorize (it skips graphs with torch.cond): a second process does not compile the training step from scratch.
+        counters.clear()
+        compiled = torch.compile(lambda A: jittered_cholesky(A).sum(), fullgraph=True)
+        A = _random_spd(6)
+        torch.testing.assert_close(compiled(A), jittered_cholesky(A).sum(), rtol=1e-12, atol=0)
+        self.assertEqual(counters["inductor"]["fxgraph_cache_bypass"], 0)
+        self.assertGreaterEqual(
+            counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"], 1
+        )
 
 
 if __name__ == "__main__":
