@@ -18,9 +18,11 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 needs_glibc = pytest.mark.skipif(not GLIBC, reason="the allocator settings exist only with glibc")
 
 # Page faults per training step of a decoupled model (M_alpha = 1000, M_beta = 200, batches of 256: its natural step
-# allocates and frees M_beta x M_alpha blocks, about a megabyte each). With glibc's adaptive thresholds some of them
-# are mapped from the system and unmapped again every step: about 1,500-2,100 faults a step on the machine this was
-# written on; with freed memory kept, a few dozen at most.
+# allocates and frees M_beta x M_alpha blocks, about a megabyte each). glibc maps blocks of at least its mmap threshold
+# from the system and trims free memory above its trim threshold; both start at 128 KiB and rise, as blocks are freed,
+# only as far as the history of the process has taken them, so how many of a step's blocks are mapped afresh varies
+# from process to process (56 to 2,100 faults a step measured with the defaults). The reference run therefore pins the
+# initial thresholds (GLIBC_TUNABLES, which keep_freed_cpu_memory leaves alone): every such block faults every step.
 _FAULTS = textwrap.dedent(
     """
     import json, resource, gpytorch, torch
@@ -55,7 +57,7 @@ _FAULTS = textwrap.dedent(
         (-mll(model(x[rows]), y[rows])).backward()
         for optimizer in optimizers:
             optimizer.step()
-    for i in range(3):
+    for i in range(8):
         step(i)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for i in range(10):
@@ -78,12 +80,13 @@ def _run(setup: str = "", train: bool = True, **environment: str) -> dict:
 
 @needs_glibc
 def test_freed_blocks_are_reused_without_page_faults():
-    default = _run(**{cpu_memory.OPT_OUT_VARIABLE: "0"})
+    initial = "glibc.malloc.mmap_threshold=131072:glibc.malloc.trim_threshold=131072"
+    returned = _run(GLIBC_TUNABLES=initial)
     kept = _run()  # the mean basis applies it
-    assert default["applied"] is None
+    assert returned["applied"] is None
     assert kept["applied"] == {"trim_threshold": 512 * 2**20, "mmap_threshold": 32 * 2**20}
-    assert default["faults"] > 300
-    assert kept["faults"] < default["faults"] / 10
+    assert returned["faults"] > 1000  # megabyte blocks mapped and unmapped every step
+    assert kept["faults"] < 100  # at most the pages of the heap's growth to a new high-water mark
 
 
 @needs_glibc
