@@ -53,6 +53,17 @@ def group_rates(optimizer, function_scales: Sequence[Tensor] | None = None) -> l
     return [group["lr"] / float(scale) for group, scale in zip(optimizer.param_groups, function_scales, strict=True)]
 
 
+def rate_tensor(optimizers: Sequence, function_scales: Sequence, device: torch.device) -> Tensor:
+    """Every group's rate of ``optimizers``, in order (:func:`group_rates`, with each optimizer's function scales or
+    None), as one float64 tensor: the step's rates, data of its graph."""
+    rates = [
+        rate
+        for optimizer, scales in zip(optimizers, function_scales, strict=True)
+        for rate in group_rates(optimizer, scales)
+    ]
+    return torch.tensor(rates, dtype=torch.float64, device=device)
+
+
 def optimizer_update(optimizer, positions: list[list[int]]) -> Update:
     r"""
     The update of ``optimizer`` as a function of the gradients of all the step's parameters, where ``positions[g][i]``
@@ -62,7 +73,7 @@ def optimizer_update(optimizer, positions: list[list[int]]) -> Update:
     The update reads the optimizer's ``param_groups`` and ``state`` through references taken here, never through the
     optimizer object: Dynamo guards every entry of the groups of an optimizer it traces, the learning rates too, which
     would recompile the step at every change of a rate. :meth:`torch.optim.Optimizer.load_state_dict` replaces both
-    objects: then :func:`is_current` is False, and the caller builds the update again.
+    objects: :func:`current_update` then builds the update again.
     """
     if type(optimizer) is gpytorch.optim.NGD:
         update = _ngd_update(optimizer.param_groups, optimizer.num_data, positions)
@@ -72,11 +83,13 @@ def optimizer_update(optimizer, positions: list[list[int]]) -> Update:
     return update
 
 
-def is_current(update: Update, optimizer) -> bool:
-    """Whether ``update`` (:func:`optimizer_update`) still reads ``optimizer``'s groups and state (False after the
-    optimizer's ``load_state_dict``)."""
+def current_update(update: Update, optimizer, positions: list[list[int]]) -> Update:
+    """``update`` (:func:`optimizer_update`) if it still reads ``optimizer``'s groups and state, else the update built
+    again from them (after the optimizer's ``load_state_dict``; a compiled step then recompiles once)."""
     groups, state = update.sources
-    return groups is optimizer.param_groups and state is optimizer.state
+    if groups is optimizer.param_groups and state is optimizer.state:
+        return update
+    return optimizer_update(optimizer, positions)
 
 
 def _ngd_update(param_groups: list[dict], num_data: int, positions: list[list[int]]) -> Update:

@@ -8,7 +8,7 @@ from ..linalg import keep_freed_cpu_memory
 from ..optim import RecursiveGradientPropagation
 from ..variational import KalmanIncrements, KalmanVariationalStrategy
 from .lean_kalman_blocks import NOT_FINITE, LeanKalmanBlocks, all_finite
-from .optimizer_updates import group_rates, is_current, optimizer_update, unsupported_optimizer
+from .optimizer_updates import current_update, optimizer_update, rate_tensor, unsupported_optimizer
 from .training_step import _own_code, mark_stepped, unsupported_torch, warn_fallback
 
 
@@ -239,9 +239,8 @@ class RecursiveTrainingStep:
             }
         saved = _optimizer_snapshot(srgp.optimizer)
         # the optimizer's rates as data: a learning-rate scheduler does not recompile the step
-        rates = torch.tensor(group_rates(srgp.optimizer), dtype=torch.float64, device=x.device)
-        if not is_current(self._update, srgp.optimizer):  # after the optimizer's load_state_dict
-            self._update = optimizer_update(srgp.optimizer, self._groups)
+        rates = rate_tensor([srgp.optimizer], [None], x.device)
+        self._update = current_update(self._update, srgp.optimizer, self._groups)
         with torch._dynamo.config.patch(trace_autograd_ops=True):
             psi, done = self._function(x, y, information_vector, information_matrix, epoch, rates)
         if not done:

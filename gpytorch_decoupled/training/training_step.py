@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import math
 import types
 import warnings
@@ -16,7 +17,7 @@ from ..variational import DualVariationalStrategy
 from .eager_training_step import eager_training_step
 from .lean_e_step import LeanEStep
 from .lean_elbo import LeanELBO
-from .optimizer_updates import group_rates, is_current, optimizer_update, unsupported_optimizer
+from .optimizer_updates import current_update, optimizer_update, rate_tensor, unsupported_optimizer
 
 
 class TrainingStep:
@@ -105,8 +106,10 @@ class TrainingStep:
         ]
         self._gradient_optimizers = gradient_optimizers
         # where each optimizer's group rates start in the step's tensor of rates
-        counts = [len(optimizer.param_groups) for optimizer in gradient_optimizers]
-        self._rate_slices = [slice(sum(counts[:number]), sum(counts[: number + 1])) for number in range(len(counts))]
+        ends = list(itertools.accumulate(len(optimizer.param_groups) for optimizer in gradient_optimizers))
+        self._rate_slices = [
+            slice(end - len(optimizer.param_groups), end) for end, optimizer in zip(ends, gradient_optimizers)
+        ]
         self._cuda_graphs = compile and _uses_cuda_graphs(compile_options)
         self._dynamic_batch = compile and batch_size_is_dynamic(compile_options)
         if self._cuda_graphs:
@@ -130,13 +133,6 @@ class TrainingStep:
             for update, rate_slice in zip(self._updates, self._rate_slices, strict=True):
                 update(gradients, rates[rate_slice])
         return value, e_step
-
-    def _refresh_updates(self) -> None:
-        """Builds an optimizer's update again after its ``load_state_dict`` replaced the groups and state the update
-        reads (the compiled step recompiles once)."""
-        for number, optimizer in enumerate(self._gradient_optimizers):
-            if not is_current(self._updates[number], optimizer):
-                self._updates[number] = optimizer_update(optimizer, self._positions[number])
 
     def _check(self, x: Tensor, y: Tensor) -> None:
         """Validates the mini-batch before anything changes. A batch whose tensors have the types, shapes, dtypes and
@@ -174,13 +170,11 @@ class TrainingStep:
             optimizer.smoothed_function_scales() if type(optimizer) is MeanBasisAdam else None
             for optimizer in self._gradient_optimizers
         ]
-        rates = [
-            rate
-            for optimizer, group_scales in zip(self._gradient_optimizers, scales, strict=True)
-            for rate in group_rates(optimizer, group_scales)
+        rates = rate_tensor(self._gradient_optimizers, scales, x.device)
+        self._updates = [
+            current_update(update, optimizer, positions)
+            for update, optimizer, positions in zip(self._updates, self._gradient_optimizers, self._positions)
         ]
-        rates = torch.tensor(rates, dtype=torch.float64, device=x.device)
-        self._refresh_updates()
         if self._dynamic_batch:
             mark_batch_dynamic(x, y)
         with self._trace_autograd_ops:
