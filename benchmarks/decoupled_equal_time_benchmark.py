@@ -28,6 +28,16 @@ Hybrid) when its test NLL at :math:`T` is at most both SVGP-Adam's and SVGP-NGD'
 5 of the 7 sets. Every method's wins and losses against every other are in the JSON. ``--checkpoints`` reads shorter
 trainings off the same run (SVGP-Adam's time after that many iterations as the budget): the goal is judged on the
 full run, and the counts of the shorter ones are reported beside it.
+
+The methods above take ordinary eager steps on GPyTorch's general path (what a user's own loop does). ``--lean``
+methods run a second time, as ``<method>-lean``, through the package's training step
+(:class:`~gpytorch_decoupled.training.TrainingStep` with ``compile=False``: the same update on tensors, no
+compilation; ``svgp-ngd-lean`` holds q(u) in the package's ``FastNaturalVariationalDistribution``, the same
+parameters and NGD step as GPyTorch's natural distribution, which the lean step does not take). ``orthnat-lean`` and
+``hybrid-lean`` are counted like OrthNat and Hybrid against GPyTorch's own SVGP-Adam and SVGP-NGD (SVGP-Adam's time
+the budget); where ``svgp-lean`` and ``svgp-ngd-lean`` ran too, the same count with every method on the lean step
+(``svgp-lean``'s time the budget, both lean SVGPs the rivals) is reported beside it, without a goal: the training
+step speeds up GPyTorch's SVGP as well.
 """
 
 from __future__ import annotations
@@ -53,9 +63,14 @@ OURS = ("orthnat", "hybrid")
 VARIANTS = ("orth",)
 BASELINES = ("svgp", "svgp-ngd", "svgp-large-batch", "vnngp")
 GOAL_RIVALS = ("svgp", "svgp-ngd")
+#: Methods that can also run through the package's lean training step (``--lean``), named ``<method>-lean``.
+LEAN = ("orthnat", "hybrid", "orth", "svgp", "svgp-ngd")
+#: The budget and the rivals of the comparison with every method on the lean step.
+LEAN_REFERENCE = "svgp-lean"
+LEAN_RIVALS = ("svgp-lean", "svgp-ngd-lean")
 DEFAULT_DATASETS = ["kin40k", "protein", "elevators", "pol", "bike", "keggdirected", "kuka"]
 
-GOALS = {f"{ours}_nll_wins_at_svgp_time_higher_is_better": 5 for ours in OURS}
+GOALS = {f"{ours}{lean}_nll_wins_at_svgp_time_higher_is_better": 5 for ours in OURS for lean in ("", "-lean")}
 RATIO_NOTES = {
     **{
         f"{ours}_nll_wins_at_svgp_time_higher_is_better": (
@@ -70,6 +85,14 @@ RATIO_NOTES = {
     ),
     "<method>_nll_wins_at_svgp_time_after_<n>_iterations": (
         "the same at SVGP-Adam's time after n iterations (a shorter training read off the same run); no goal"
+    ),
+    "<method>-lean_nll_wins_at_svgp_time_higher_is_better": (
+        "the same count for our method through the package's lean training step (TrainingStep, compile=False), "
+        "against GPyTorch's own SVGP-Adam and SVGP-NGD at SVGP-Adam's time; goal: at least 5 of 7"
+    ),
+    "<method>-lean_nll_wins_all_lean": (
+        "the same with every method on the lean step: test NLL at svgp-lean's training time at most both "
+        "svgp-lean's and svgp-ngd-lean's; no goal"
     ),
     "<method>_seconds_per_iteration_vs_svgp_on_<set>": "median step time ÷ SVGP-Adam's in the same run; no goal",
 }
@@ -99,6 +122,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="baselines beside SVGP-Adam and SVGP-NGD (which the goal needs and always run)",
     )
     parser.add_argument(
+        "--lean",
+        nargs="*",
+        choices=LEAN,
+        default=["orthnat", "hybrid", "svgp", "svgp-ngd"],
+        help="methods that also run through the package's lean training step (TrainingStep, compile=False), as "
+        "<method>-lean",
+    )
+    parser.add_argument(
         "--checkpoints",
         type=int,
         nargs="*",
@@ -109,7 +140,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", default=DEFAULT_RESULTS_DIR)
 
 
-def _methods(args: argparse.Namespace) -> list[tuple[str, dict]]:
+def _methods(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
+    """``(name, registered method, options)`` of every method of the run."""
     sizes = {"num_inducing": args.num_inducing}
     ours = {**sizes, "num_mean_inducing": args.num_mean_inducing}
     options = {
@@ -121,7 +153,21 @@ def _methods(args: argparse.Namespace) -> list[tuple[str, dict]]:
         "svgp-large-batch": sizes,
         "vnngp": {"k": args.vnngp_k, "training_batch_size": args.batch_size},
     }
-    return [(method, options[method]) for method in (*OURS, *args.variants, *GOAL_RIVALS, *args.other_baselines)]
+    eager = [
+        (method, method, options[method]) for method in (*OURS, *args.variants, *GOAL_RIVALS, *args.other_baselines)
+    ]
+    # GPyTorch's NaturalVariationalDistribution has no lean step; the package's FastNatural one is the same q and NGD.
+    fast = {"svgp-ngd": {"fast_natural": True}}
+    lean = [
+        (f"{method}-lean", method, {**options[method], **fast.get(method, {}), "step": "lean"}) for method in args.lean
+    ]
+    return eager + lean
+
+
+def _ours(args: argparse.Namespace) -> tuple[str, ...]:
+    """Our methods of the run, eager and lean: the ones whose wins are counted."""
+    ours = (*OURS, *args.variants)
+    return (*ours, *(f"{method}-lean" for method in args.lean if method in ours))
 
 
 def _fit(args, config, name: str) -> tuple[dict, list[MethodResult]]:
@@ -132,12 +178,13 @@ def _fit(args, config, name: str) -> tuple[dict, list[MethodResult]]:
     train, test = split_tensors(split, config)
     load_before = os.getloadavg()
     methods = [
-        (f"{method}@{name}", build_method(method, *train, seed=config.seed, **options))
-        for method, options in _methods(args)
+        (f"{label}@{name}", build_method(method, *train, seed=config.seed, **options))
+        for label, method, options in _methods(args)
     ]
     results = train_in_lockstep(methods, train, test, split.y_std, config)
     by_method = {result.name.split("@")[0]: result for result in results}
     budget = by_method[REFERENCE].train_seconds
+    lean_budget = by_method[LEAN_REFERENCE].train_seconds if LEAN_REFERENCE in by_method else None
     reference_step = by_method[REFERENCE].seconds_per_iteration
     rows = {
         method: {
@@ -151,10 +198,15 @@ def _fit(args, config, name: str) -> tuple[dict, list[MethodResult]]:
             "rmse": result.rmse,
             "nll_at_svgp_time": value_at_time(result.curve, budget, "nll"),
             "rmse_at_svgp_time": value_at_time(result.curve, budget, "rmse"),
+            **(
+                {"nll_at_lean_svgp_time": value_at_time(result.curve, lean_budget, "nll")}
+                if lean_budget is not None
+                else {}
+            ),
         }
         for method, result in by_method.items()
     }
-    ours = (*OURS, *args.variants)
+    ours = _ours(args)
     checkpoints = {
         iterations: _checkpoint(by_method, iterations, ours)
         for iterations in args.checkpoints
@@ -167,10 +219,12 @@ def _fit(args, config, name: str) -> tuple[dict, list[MethodResult]]:
         "test_rows": test[0].size(0),
         "dims": train[0].size(-1),
         "svgp_seconds": budget,
+        "lean_svgp_seconds": lean_budget,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "methods": rows,
         "wins": {method: _wins(rows, method) for method in ours},
+        "wins_all_lean": _wins_all_lean(rows, ours),
         "checkpoints": checkpoints,
     }
     return record, results
@@ -203,6 +257,19 @@ def _wins(rows: dict, ours: str) -> dict:
     }
 
 
+def _wins_all_lean(rows: dict, ours: tuple[str, ...]) -> dict[str, bool]:
+    """With every method on the lean step: whether each lean method of ours has a test NLL at ``svgp-lean``'s training
+    time at most that of every lean SVGP of the run (empty where ``svgp-lean`` did not run)."""
+    rivals = [rival for rival in LEAN_RIVALS if rival in rows]
+    if LEAN_REFERENCE not in rows:
+        return {}
+    return {
+        method: all(rows[method]["nll_at_lean_svgp_time"] <= rows[rival]["nll_at_lean_svgp_time"] for rival in rivals)
+        for method in ours
+        if method.endswith("-lean")
+    }
+
+
 def _ratios(records: list[dict]) -> dict[str, float]:
     ratios = {}
     for ours in records[0]["wins"] if records else ():
@@ -210,6 +277,8 @@ def _ratios(records: list[dict]) -> dict[str, float]:
             ratios[f"{ours}_nll_wins{suffix}"] = sum(
                 all(record["wins"][ours][key][rival] for rival in GOAL_RIVALS) for record in records
             )
+        if ours in records[0]["wins_all_lean"]:
+            ratios[f"{ours}_nll_wins_all_lean"] = sum(record["wins_all_lean"][ours] for record in records)
         for iterations in records[0]["checkpoints"] if records else ():
             ratios[f"{ours}_nll_wins_at_svgp_time_after_{iterations}_iterations"] = sum(
                 record["checkpoints"][iterations]["wins"][ours] for record in records
@@ -269,6 +338,7 @@ def _run(args: argparse.Namespace) -> dict:
         "max_train_rows": args.max_train_rows,
         "kuka_output": args.kuka_output,
         "methods": _methods(args),
+        "lean": args.lean,
         "reference": REFERENCE,
         "torch_threads": torch.get_num_threads(),
     }
@@ -283,7 +353,7 @@ def _run(args: argparse.Namespace) -> dict:
             run,
             results,
             _ratios(records),
-            GOALS,
+            {name: goal for name, goal in GOALS.items() if name.split("_nll_")[0] in _ours(args)},
             device=args.device,
             ratio_notes=RATIO_NOTES,
             complete=len(records) == len(args.datasets),

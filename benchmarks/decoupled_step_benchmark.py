@@ -20,6 +20,11 @@ One process, one thread (``--threads``), float32, kin40k split 0 by default, min
    (256 + 200 + 64 rows against the mean basis): entries per second as a fraction of ``torch.exp``'s rate on a
    cache-resident array, measured in the same process, interleaved, in CPU time.
 
+Each OrthNat also runs a second time through the package's training step
+(:class:`~gpytorch_decoupled.training.TrainingStep` with ``compile=False``, ``orthnat-lean``; ``--no-lean`` leaves it
+out): the same update on plain tensors, no compilation. Its ratios to the same eager GPyTorch SVGP step carry the same
+goals, reported beside the eager ones.
+
 With ``--device cuda`` the step times are wall-clock (the GPU synchronized around each step), the kernel block (a
 measure of this CPU's ``exp``) is not measured, and the results go to ``decoupled-step-cuda.json``.
 """
@@ -48,8 +53,10 @@ REFERENCE = "svgp"
 
 GOALS = {
     "orthnat_time_per_iteration": 1.15,
+    "orthnat_lean_time_per_iteration": 1.15,
     "decoupled_time_per_iteration": 1.25,
     "orthnat_1e5_time_per_iteration": 6.0,
+    "orthnat_1e5_lean_time_per_iteration": 6.0,
     "peak_memory_gb_at_1e5": 0.3,
     "kernel_block_fraction_of_exp_higher_is_better": 0.5,
     "kl_relative_std_at_4096": 0.0,
@@ -60,12 +67,17 @@ RATIO_NOTES = {
     "orthnat_time_per_iteration": (
         "OrthNat (Mγ=1000, Mβ=200) ÷ GPyTorch SVGP (M=200), median CPU s / step in lockstep; median over repeats"
     ),
+    "orthnat_lean_time_per_iteration": (
+        "the same OrthNat stepped by the package's TrainingStep (compile=False) ÷ GPyTorch SVGP's eager step, as above"
+    ),
     "decoupled_time_per_iteration": "Decoupled (Mα=1000, Mβ=200) ÷ GPyTorch SVGP (M=200), as above",
     "orthnat_1e5_time_per_iteration": "OrthNat (Mγ=10^5, Mβ=200) ÷ GPyTorch SVGP (M=200), as above",
+    "orthnat_1e5_lean_time_per_iteration": "OrthNat (Mγ=10^5) stepped by TrainingStep (compile=False), as above",
     "peak_memory_gb_at_1e5": (
         "absolute value, not a ratio: peak memory (GB, above the level before training) of OrthNat at Mγ=10^5 over "
         "the warm-up iterations of a separately built copy"
     ),
+    "peak_memory_gb_at_1e5_lean": "the same stepped by TrainingStep (compile=False); no goal",
     "kernel_block_fraction_of_exp_higher_is_better": (
         "entries per second of the fused product K(rows, γ)·a forward (rows = batch + Mβ + KL rows, Mγ=10^5) ÷ "
         "torch.exp elements per second on a cache-resident array, same process, 1 thread; median over rounds"
@@ -108,11 +120,18 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kl-draws", type=int, default=100, help="training-mode KL draws per spread")
     parser.add_argument("--block-rounds", type=int, default=3, help="rounds of the kernel block measurement")
     parser.add_argument("--mean-jitter", type=float, default=1e-2)
+    parser.add_argument(
+        "--no-lean",
+        dest="lean",
+        action="store_false",
+        help="leave out the OrthNat steps through the package's TrainingStep (compile=False)",
+    )
     parser.add_argument("--output-dir", default=DEFAULT_RESULTS_DIR)
 
 
-def _orthnat(train, args: argparse.Namespace, size: int, seed: int) -> Method:
-    """OrthNat with ``size`` mean-basis points, drawn with replacement beyond the training rows."""
+def _orthnat(train, args: argparse.Namespace, size: int, seed: int, step: str = "eager") -> Method:
+    """OrthNat with ``size`` mean-basis points, drawn with replacement beyond the training rows, its steps taken as
+    ``step`` says (:data:`~benchmarks.methods.STEP_KINDS`; the training step is built on the enlarged basis)."""
     train_x = train[0]
     method = build_method(
         "orthnat",
@@ -125,6 +144,7 @@ def _orthnat(train, args: argparse.Namespace, size: int, seed: int) -> Method:
     if size > train_x.size(0):
         enlarge_mean_basis(method, mean_basis_with_replacement(train_x, size, args.mean_jitter, seed + 1), seed)
         method.sizes = f"Mγ={size}, Mβ={args.num_inducing}"
+    method.use_training_step(step)
     method.objective = lambda: float("nan")  # the exact ELBO at 10^5 costs 10^10 kernel entries; not timed here
     return method
 
@@ -210,7 +230,13 @@ def _measure(args: argparse.Namespace) -> dict:
         ),  # fmt: skip
         (large_name, _orthnat(train, args, large, config.seed)),
     ]
+    if args.lean:
+        methods += [
+            ("orthnat-lean", _orthnat(train, args, args.num_mean_inducing, config.seed, "lean")),
+            (f"orthnat-lean@Mγ={large}", _orthnat(train, args, large, config.seed, "lean")),
+        ]
     peak_mb = warmup_peak_memory(_orthnat(train, args, large, config.seed), train, config)
+    peak_lean_mb = warmup_peak_memory(_orthnat(train, args, large, config.seed, "lean"), train, config)
 
     batches = _minibatches(*train, config.batch_size, config.seed)
     # On a GPU the host thread's CPU time does not count the device's work: wall-clock, synchronized.
@@ -227,7 +253,9 @@ def _measure(args: argparse.Namespace) -> dict:
         result.nll, result.iterations = metrics["nll"], args.repeats * config.iterations
         result.seconds_per_iteration = statistics.median(run[name] for run in repeats)
         results.append(result)
-    results[-1].peak_memory_mb = peak_mb
+    peaks = {large_name: peak_mb, f"orthnat-lean@Mγ={large}": peak_lean_mb}
+    for result in results:
+        result.peak_memory_mb = peaks.get(result.name, float("nan"))
 
     batch = next(_minibatches(*train, config.batch_size, config.seed + 1))[0]
     exact_method = _orthnat(train, args, args.exact_size, config.seed)
@@ -256,13 +284,17 @@ def _measure(args: argparse.Namespace) -> dict:
         "decoupled_time_per_iteration": headline("decoupled"),
         "orthnat_1e5_time_per_iteration": headline(large_name),
         "peak_memory_gb_at_1e5": peak_mb / 1024,
+        "peak_memory_gb_at_1e5_lean": peak_lean_mb / 1024,
         "kl_relative_std_at_4096": spreads[str(args.exact_size)]["relative_std"],
         f"kl_relative_std_at_{args.num_mean_inducing}": spreads[str(args.num_mean_inducing)]["relative_std"],
         "kl_relative_std_at_1e5": spreads[str(large)]["relative_std"],
         "kl_relative_std_at_1e5_uniform_rows": spreads[f"{large}_uniform_rows"]["relative_std"],
         "kl_relative_std_at_1e5_triple_rows": spreads[f"{large}_{3 * kl}_rows"]["relative_std"],
     }
-    goals = dict(GOALS)
+    if args.lean:
+        ratios["orthnat_lean_time_per_iteration"] = headline("orthnat-lean")
+        ratios["orthnat_1e5_lean_time_per_iteration"] = headline(f"orthnat-lean@Mγ={large}")
+    goals = {name: goal for name, goal in GOALS.items() if args.lean or "_lean_" not in name}
     if block:
         largest = block[-1].to_json()
         ratios["kernel_block_fraction_of_exp_higher_is_better"] = largest["forward_fraction_of_exp"]
@@ -272,10 +304,16 @@ def _measure(args: argparse.Namespace) -> dict:
         del goals["kernel_block_fraction_of_exp_higher_is_better"]
     notes = dict(RATIO_NOTES)
     if clock == "wall":
-        for name in ("orthnat_time_per_iteration", "decoupled_time_per_iteration"):
+        for name in ("orthnat_time_per_iteration", "orthnat_lean_time_per_iteration", "decoupled_time_per_iteration"):
             notes[name] = notes[name].replace("CPU s", "wall-clock s (GPU synchronized)")
     if large != 100_000:
-        for name in ("orthnat_1e5_time_per_iteration", "peak_memory_gb_at_1e5", "kl_relative_std_at_1e5"):
+        for name in (
+            "orthnat_1e5_time_per_iteration",
+            "orthnat_1e5_lean_time_per_iteration",
+            "peak_memory_gb_at_1e5",
+            "peak_memory_gb_at_1e5_lean",
+            "kl_relative_std_at_1e5",
+        ):
             notes[name] += f" (this run: Mγ={large})"
     if args.exact_size != 4096:
         notes["kl_relative_std_at_4096"] += f" (this run: Mγ={args.exact_size})"

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from gpytorch_decoupled.variational import HybridVariationalStrategy
 
-from .approximate_gp_method import ApproximateGPMethod
+from .approximate_gp_method import STEP_KINDS, ApproximateGPMethod
 from .approximate_regression_model import ApproximateRegressionModel
 from .decoupled_method import DecoupledMethod
 from .dual_method import DualMethod
@@ -48,11 +48,18 @@ METHODS: dict[str, MethodFactory] = {
 }
 
 
-def build_method(name: str, train_x: Tensor, train_y: Tensor, **options) -> Method:
-    """Build the method registered as ``name`` on the training data, with method-specific ``options``."""
+def build_method(name: str, train_x: Tensor, train_y: Tensor, step: str = "eager", **options) -> Method:
+    """Build the method registered as ``name`` on the training data, with method-specific ``options``; ``step``
+    (one of :data:`STEP_KINDS`) other than ``eager`` runs a variational method's steps through the package's
+    :class:`~gpytorch_decoupled.training.TrainingStep`."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
-    return METHODS[name](train_x, train_y, **options)
+    method = METHODS[name](train_x, train_y, **options)
+    if step != "eager":
+        if not isinstance(method, ApproximateGPMethod):
+            raise MethodNotApplicable(f"{name} has no {step} step (it is not trained by a TrainingStep).")
+        method.use_training_step(step)
+    return method
 
 
 __all__ = [
@@ -72,6 +79,7 @@ __all__ = [
     "OrthogonalMethod",
     "QSVGPMethod",
     "RecursiveMethod",
+    "STEP_KINDS",
     "SVGPMethod",
     "build_method",
     "initial_inducing_points",

@@ -6,9 +6,14 @@ import gpytorch
 import torch
 from torch import Tensor
 
-from gpytorch_decoupled.training import eager_training_step
+from gpytorch_decoupled.training import TrainingStep, eager_training_step
 
-from .method import Method
+from .method import Method, MethodNotApplicable
+
+#: How a method's steps run: ``eager`` (an ordinary loop on GPyTorch's general path, what a user's own loop does),
+#: ``lean`` (the package's :class:`~gpytorch_decoupled.training.TrainingStep` with ``compile=False``) or ``compiled``
+#: (the same step under ``torch.compile``; its first call compiles).
+STEP_KINDS = ("eager", "lean", "compiled")
 
 
 def exact_strategy_kl(strategy) -> Tensor:
@@ -63,10 +68,33 @@ class ApproximateGPMethod(Method):
         self.train_x = train_x
         self.train_y = train_y
         self.mll = mll_cls(likelihood, model, num_data=train_y.size(0))
+        self.training_step: TrainingStep | None = None
+
+    def use_training_step(self, kind: str) -> ApproximateGPMethod:
+        """Runs the steps as ``kind`` of :data:`STEP_KINDS` says (the label names the kind unless ``eager``).
+
+        :raises MethodNotApplicable: Where the package's training step would fall back to the eager step.
+        """
+        if kind not in STEP_KINDS:
+            raise ValueError(f"step must be one of {', '.join(STEP_KINDS)}, got {kind!r}.")
+        if kind == "eager":
+            self.training_step = None
+            return self
+        if type(self).step is not ApproximateGPMethod.step:
+            raise MethodNotApplicable(f"{self.label} takes its own steps; it has no {kind} step.")
+        step = TrainingStep(self.mll, self.optimizers, lean=True, compile=kind == "compiled")
+        if step.fallback_reason is not None:
+            raise MethodNotApplicable(f"{self.label} has no {kind} step: {step.fallback_reason}")
+        self.training_step = step
+        self.label = f"{self.label}, {kind} step"
+        return self
 
     def step(self, x: Tensor, y: Tensor) -> None:
         self._set_training(True)
-        eager_training_step(self.mll, self.optimizers, x, y)
+        if self.training_step is None:
+            eager_training_step(self.mll, self.optimizers, x, y)
+        else:
+            self.training_step(x, y)
 
     @torch.no_grad()
     def objective(self) -> float:

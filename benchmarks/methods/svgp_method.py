@@ -73,6 +73,8 @@ class SVGPMethod(ApproximateGPMethod):
         else:
             optimizers = [torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=lr)]
         label = "GPyTorch SVGP (NGD)" if natural else "GPyTorch SVGP (Adam)"
+        if natural and fast_natural:
+            label = "SVGP (NGD, FastNatural q)"
         if strategy_cls is not gpytorch.variational.VariationalStrategy:
             label = label.replace("SVGP", strategy_cls.__name__.removesuffix("VariationalStrategy") + " SVGP")
         super().__init__(label, f"M={num_inducing}", model, likelihood, optimizers, train_x, train_y)

@@ -7,16 +7,21 @@ from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from torch import Tensor
 
+from ._kernel_tiles import exponent_floor
 from ._squared_distance_kernel_matvec import squared_distance_kernel_matvec
 from ._squared_distance_quadratic_form import squared_distance_quadratic_form
 from .thin_cross_product import thin_cross_product
+
+_LN_2 = math.log(2.0)
 
 
 class LeanKernel:
     r"""
     The covariance of a GPyTorch kernel of a supported type as plain tensor operations: the same values and gradients
     as the kernel's :class:`~linear_operator.operators.LinearOperator` output (GPyTorch's expansion of the squared
-    distances, operation for operation), read from the kernel's own parameters at every call (no copy is kept),
+    distances, operation for operation; a kernel value below about :math:`10^{-30}` in float32, :math:`10^{-246}` in
+    float64, is raised to it and has no gradient, as in the tiled sweeps: smaller ones are slow subnormal numbers on a
+    CPU), read from the kernel's own parameters at every call (no copy is kept),
     without the lazy-tensor and kernel-call layers that block :func:`torch.compile` and cost more than the arithmetic at
     :math:`M \approx 200` (about 0.8 ms of a 2 ms kernel evaluation of :math:`\mathbf K_{\mathbf u[\mathbf u;
     \mathbf x]}` with its diagonal, forward and backward, at :math:`M = 100`, :math:`B = 200`). The compiled
@@ -95,19 +100,21 @@ class LeanKernel:
             # Compiled (the lean training step): gradients by thin_cross_product, the same sums in another order and
             # several times faster; eager calls keep GPyTorch's product and its rounding.
             thin = torch.compiler.is_compiling()
-            squares = _square_distance(x1.div(lengthscale), x2.div(lengthscale), same, thin)
+            limit = _distance_limit(x1.dtype, 0.5)
+            squares = _square_distance(x1.div(lengthscale), x2.div(lengthscale), same, thin, limit)
             covariance = squares.mul(-0.5).exp()
         else:
             centre = x1.mean(dim=-2, keepdim=True)
             z1, z2 = (x1 - centre).div(lengthscale), (x2 - centre).div(lengthscale)
+            nu = self.base.nu
+            limit = _distance_limit(x1.dtype, math.sqrt(2.0 * nu))
             if same:
                 # GPyTorch's clamp: the distance of a point to itself has a zero (not infinite) gradient.
                 # The square root amplifies the rounding of the diagonal's zero distances, so their gradients need
                 # GPyTorch's own product, summed in its order.
-                distance = _square_distance(z1, z2, True, thin=False).clamp_min(1e-30).sqrt()
+                distance = _square_distance(z1, z2, True, False, limit**2).clamp_min(1e-30).sqrt()
             else:  # as GPyTorch's distance between different sets of points
-                distance = torch.cdist(z1, z2).clamp_min(1e-15)
-            nu = self.base.nu
+                distance = torch.cdist(z1, z2).clamp(1e-15, limit)
             covariance = torch.exp(-math.sqrt(2.0 * nu) * distance)
             if nu == 1.5:
                 covariance = covariance * (math.sqrt(3.0) * distance + 1.0)
@@ -158,7 +165,15 @@ class LeanKernel:
         return ones if self.scale is None else ones * self.scale.outputscale
 
 
-def _square_distance(z1: Tensor, z2: Tensor, same: bool, thin: bool) -> Tensor:
+def _distance_limit(dtype: torch.dtype, rate: float) -> float:
+    r"""The distance :math:`r` at which :math:`e^{-\text{rate}\cdot r}` reaches the kernel tiles' floor
+    (:func:`~gpytorch_decoupled.linalg._kernel_tiles.exponent_floor`): distances are clamped to it, in the clamp the
+    expansion needs anyway, so that no kernel value, and no product of one in the backward pass, is a slow subnormal
+    number."""
+    return -_LN_2 * exponent_floor(dtype) / rate
+
+
+def _square_distance(z1: Tensor, z2: Tensor, same: bool, thin: bool, limit: float) -> Tensor:
     # GPyTorch's expansion, operation for operation (centred, one product of augmented inputs): at zero distance the
     # result is a rounding residual, which a Matern kernel's square root amplifies to ~1e-8, so the lean path must round
     # exactly as the general path does to return the same values.
@@ -170,4 +185,4 @@ def _square_distance(z1: Tensor, z2: Tensor, same: bool, thin: bool) -> Tensor:
     square = thin_cross_product(augmented1, augmented2) if thin else augmented1 @ augmented2.mT
     if same and not z1.requires_grad and not z2.requires_grad:
         square = square - torch.diag_embed(square.diagonal(dim1=-2, dim2=-1))
-    return square.clamp_min(0.0)
+    return square.clamp(0.0, limit)

@@ -13,7 +13,7 @@ from benchmarks.decoupled_equal_time_benchmark import GOALS as EQUAL_TIME_GOALS
 from benchmarks.mean_basis_adam_benchmark import GOAL as MEAN_STEP_GOAL
 from benchmarks.mean_basis_adam_benchmark import _ratios, _verdict
 from benchmarks.method_result import MethodResult
-from benchmarks.methods import build_method
+from benchmarks.methods import MethodNotApplicable, build_method
 from benchmarks.methods.blocked_nn_variational_strategy import sequential_nearest_neighbors
 from benchmarks.runner import timed_call
 from gpytorch_decoupled.optim import MeanBasisAdam
@@ -28,11 +28,25 @@ def test_decoupled_equal_time_tiny_run(tmp_path, capsys):
     )  # fmt: skip
     payload = json.loads((tmp_path / "decoupled-equal-time.json").read_text())
     assert payload["complete"] and set(payload["goals"]) == set(EQUAL_TIME_GOALS) <= set(payload["ratios"])
-    methods = {"orthnat", "hybrid", "svgp", "svgp-ngd", "svgp-large-batch", "vnngp"}
+    lean = {"orthnat-lean", "hybrid-lean", "svgp-lean", "svgp-ngd-lean"}
+    methods = {"orthnat", "hybrid", "svgp", "svgp-ngd", "svgp-large-batch", "vnngp", *lean}
     assert {row["name"] for row in payload["rows"]} == {f"{m}@{d}" for m in methods for d in ("kuka", "elevators")}
     for record in payload["datasets"]:
         rows = record["methods"]
         assert set(rows) == methods and record["train_rows"] == 300
+        assert rows["orthnat-lean"]["label"] == "OrthNat (ours), lean step"
+        assert rows["svgp-ngd-lean"]["label"] == "SVGP (NGD, FastNatural q), lean step"
+        # With every method on the lean step: the budget is the lean SVGP-Adam's time, both lean SVGPs the rivals.
+        assert record["lean_svgp_seconds"] == rows["svgp-lean"]["train_seconds"]
+        assert rows["svgp-lean"]["nll_at_lean_svgp_time"] == pytest.approx(rows["svgp-lean"]["nll"])
+        at_lean = {name: row["nll_at_lean_svgp_time"] for name, row in rows.items()}
+        assert record["wins_all_lean"] == {
+            ours: at_lean[ours] <= min(at_lean["svgp-lean"], at_lean["svgp-ngd-lean"])
+            for ours in ("orthnat-lean", "hybrid-lean")
+        }
+        # The lean methods are counted against GPyTorch's own SVGPs at SVGP-Adam's time, like the eager ones.
+        wins = record["wins"]["orthnat-lean"]["nll_at_svgp_time"]
+        assert wins["svgp"] == (rows["orthnat-lean"]["nll_at_svgp_time"] <= rows["svgp"]["nll_at_svgp_time"])
         # The reference's metrics at its own training time are its final ones.
         assert rows["svgp"]["nll_at_svgp_time"] == pytest.approx(rows["svgp"]["nll"])
         assert all(math.isfinite(row["nll_at_svgp_time"]) and row["iterations"] == 6 for row in rows.values())
@@ -44,6 +58,8 @@ def test_decoupled_equal_time_tiny_run(tmp_path, capsys):
         for record in payload["datasets"]
     )
     assert payload["ratios"]["hybrid_nll_wins_at_svgp_time_higher_is_better"] == expected
+    expected = sum(record["wins_all_lean"]["orthnat-lean"] for record in payload["datasets"])
+    assert payload["ratios"]["orthnat-lean_nll_wins_all_lean"] == expected
     # A shorter training read off the run: SVGP-Adam's time after 3 iterations; 6 is the full run, not a checkpoint.
     curves = {row["name"]: row["curve"] for row in payload["rows"]}
     for record in payload["datasets"]:
@@ -66,7 +82,7 @@ def test_decoupled_equal_time_variants_are_reported_without_a_goal(tmp_path):
         ["decoupled-equal-time", "--datasets", "elevators", "--max-train-rows", "200", "--iterations", "4",
          "--eval-every", "2", "--warmup", "1", "--num-inducing", "8", "--num-mean-inducing", "30", "--batch-size",
          "50", "--clock", "thread", "--no-progress", "--checkpoints", "2", "--variants", "orth", "--other-baselines",
-         "--output-dir", str(tmp_path)]
+         "--lean", "--output-dir", str(tmp_path)]
     )  # fmt: skip
     payload = json.loads((tmp_path / "decoupled-equal-time.json").read_text())
     (record,) = payload["datasets"]
@@ -78,7 +94,9 @@ def test_decoupled_equal_time_variants_are_reported_without_a_goal(tmp_path):
     )
     assert payload["ratios"]["orth_nll_wins_at_svgp_time_higher_is_better"] == expected
     assert "orth_nll_wins_at_svgp_time_after_2_iterations" in payload["ratios"]
-    assert set(payload["goals"]) == set(EQUAL_TIME_GOALS)  # no goal for the variant
+    # no goal for the variant, and none for lean methods that did not run
+    assert set(payload["goals"]) == {name for name in EQUAL_TIME_GOALS if "-lean" not in name}
+    assert record["wins_all_lean"] == {} and "lean_svgp_seconds" in record
 
 
 def test_mean_basis_adam_softmax_tiny_run(tmp_path):
@@ -183,3 +201,27 @@ def test_thread_clock_counts_this_threads_work_only():
     assert timed_call(time.sleep, 0.2, device=torch.device("cpu")) >= 0.2
     with pytest.raises(ValueError, match="clock"):
         RunConfig(clock="cpu")
+
+
+def test_lean_step_of_a_method_takes_the_eager_steps_and_refuses_what_it_cannot_take():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(120, 2, dtype=torch.float64, generator=generator)
+    y = torch.sin(2 * x[:, 0]) + 0.1 * torch.randn(120, dtype=torch.float64, generator=generator)
+    sizes = {"num_inducing": 8, "num_mean_inducing": 20}
+    eager, lean = (build_method("orthnat", x, y, step=kind, **sizes) for kind in ("eager", "lean"))
+    assert lean.label == "OrthNat (ours), lean step" and lean.training_step.fallback_reason is None
+    assert eager.training_step is None
+    for batch in range(4):
+        rows = slice(30 * batch, 30 * batch + 30)
+        for method in (eager, lean):
+            torch.manual_seed(batch)  # the same draws of MeanBasisAdam's function scale
+            method.step(x[rows], y[rows])
+    for (name, theirs), ours in zip(eager.model.named_parameters(), lean.model.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9, msg=name)
+    with pytest.raises(MethodNotApplicable, match="NaturalVariationalDistribution"):
+        build_method("svgp-ngd", x, y, num_inducing=8, step="lean")  # GPyTorch's natural q: no lean step
+    assert build_method("svgp-ngd", x, y, num_inducing=8, fast_natural=True, step="lean").training_step is not None
+    with pytest.raises(MethodNotApplicable, match="its own steps"):
+        build_method("vnngp", x, y, k=4, training_batch_size=30, step="lean")
+    with pytest.raises(ValueError, match="step must be one of"):
+        build_method("svgp", x, y, num_inducing=8, step="fast")
