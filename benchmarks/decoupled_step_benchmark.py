@@ -297,11 +297,7 @@ def _measure(args: argparse.Namespace) -> dict:
         for name in ("orthnat_time_per_iteration", "orthnat_lean_time_per_iteration", "decoupled_time_per_iteration"):
             notes[name] = notes[name].replace("CPU s", "wall-clock s (GPU synchronized)")
     if large != 100_000:
-        for name in (
-            "orthnat_1e5_time_per_iteration",
-            "peak_memory_gb_at_1e5",
-            "kl_relative_std_at_1e5",
-        ):
+        for name in ("orthnat_1e5_time_per_iteration", "peak_memory_gb_at_1e5", "kl_relative_std_at_1e5"):
             notes[name] += f" (this run: Mγ={large})"
     if args.exact_size != 4096:
         notes["kl_relative_std_at_4096"] += f" (this run: Mγ={args.exact_size})"

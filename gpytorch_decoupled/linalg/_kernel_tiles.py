@@ -99,6 +99,7 @@ class KernelTiles:
     def __init__(self, x: Tensor, z: Tensor, profile: str, symmetric: bool = False, keep: bool = False):
         check_profile(profile)
         self.profile, self.symmetric = profile, symmetric
+        self._floor = exponent_floor(x.dtype)
         scale = -0.5 * _LOG2_E if profile == "rbf" else 1.0
         x_norm, z_norm = x.square().sum(-1, keepdim=True), z.square().sum(-1, keepdim=True)
         rows = torch.cat([(-2.0 * scale) * x, scale * x_norm, torch.full_like(x_norm, scale)], dim=-1)
@@ -154,7 +155,7 @@ class KernelTiles:
         kept = [] if self.keep else None
         for i, j, (tile, *scratch) in self._plan:
             torch.bmm(self._rows[i], self._columns[j], out=tile)
-            result = (i, j, *_apply_profile(tile, scratch, self.profile))
+            result = (i, j, *_apply_profile(tile, scratch, self.profile, self._floor))
             if kept is not None:
                 kept.append(result)
             yield result
@@ -276,11 +277,10 @@ def exponent_floor(dtype: torch.dtype) -> float:
     return 0.8 * math.log2(torch.finfo(dtype).tiny)
 
 
-def _apply_profile(tile: Tensor, scratch: list[Tensor], profile: str) -> tuple[Tensor, Tensor | None]:
+def _apply_profile(tile: Tensor, scratch: list[Tensor], profile: str, floor: float) -> tuple[Tensor, Tensor | None]:
     r""":math:`f(D)` and :math:`f'(D)` (None for the RBF) in place, from the tile of :math:`D` (of
-    :math:`-D\log_2 e/2` for the RBF) and the scratch buffers; every exponential at least
-    :math:`2^t` (:func:`exponent_floor`)."""
-    floor = exponent_floor(tile.dtype)
+    :math:`-D\log_2 e/2` for the RBF) and the scratch buffers; every exponential at least :math:`2^{\text{floor}}`
+    (:func:`exponent_floor` of the tile's dtype)."""
     if profile == "rbf":
         return tile.clamp_min_(floor).exp2_(), None
     # s = sqrt(2 nu) r with r^2 = D
