@@ -30,6 +30,9 @@ TORCH_CONFIGS = (
     "ours-tsvgp-eager",
     "ours-tsvgp-lean",
     "ours-tsvgp-compiled",
+    "ours-decoupled-eager",
+    "ours-decoupled-lean",
+    "ours-decoupled-compiled",
 )
 
 
@@ -75,6 +78,18 @@ def make_step(config: str, train_x, train_y, inducing, mean_inducing):
             num_inducing=inducing.size(0),
             num_mean_inducing=mean_inducing.size(0),
             mean_rule="adam",
+        )
+        strategy = method.model.variational_strategy
+        with torch.no_grad():  # the shared inducing inputs (the method draws its own with the same seed)
+            strategy.inducing_points.copy_(inducing)
+            strategy.mean_inducing_points.copy_(mean_inducing)
+        mll, optimizers = method.mll, method.optimizers
+    elif family == "ours-decoupled":
+        from benchmarks.methods.decoupled_method import DecoupledMethod
+
+        # MeanBasisAdam's curvature step on (a, L_B) and Adam on the rest; the mean basis alpha is OrthNat's gamma.
+        method = DecoupledMethod(
+            train_x, train_y, num_inducing=inducing.size(0), num_mean_inducing=mean_inducing.size(0)
         )
         strategy = method.model.variational_strategy
         with torch.no_grad():  # the shared inducing inputs (the method draws its own with the same seed)

@@ -17,6 +17,7 @@ from .landmark_quadratic_form import (
     landmark_quadratic_form,
 )
 from .lean_kernel import LeanKernel
+from .psd_roots import positive_part_root, pseudo_inverse_root
 from .quadratic_form import column_sampled_quadratic_form
 from .settings import kernel_keep_size, kernel_tile_size
 from .shapes import broadcast_shapes
@@ -50,6 +51,8 @@ __all__ = [
     "kernel_tile_size",
     "landmark_controlled_estimate",
     "landmark_quadratic_form",
+    "positive_part_root",
+    "pseudo_inverse_root",
     "reset_jitter_warnings",
     "solve_lower",
     "solve_lower_transpose",

@@ -1,10 +1,20 @@
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from ..linalg import add_to_diagonal, cholesky_solve, identity_like, jittered_cholesky, solve_lower, weighted_gram
-from ..variational import DecoupledCurvature, DecoupledVariationalStrategy, joint_prior
+from ..linalg import (
+    add_to_diagonal,
+    cholesky_solve,
+    jittered_cholesky,
+    positive_part_root,
+    pseudo_inverse_root,
+    weighted_gram,
+)
+from ..variational import DecoupledCurvature, DecoupledVariationalStrategy, JointPrior, joint_prior
 from .online_basis_growth import zero_padded
 
 
@@ -17,6 +27,7 @@ def decoupled_natural_step(
     covariance_lr: float,
     damping: float,
     state: dict[str, Tensor],
+    prior_blocks: Callable[..., JointPrior] | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     r"""
     The new raw ``(mean_coefficients, precision_factor)`` of a decoupled strategy after one step of
@@ -93,23 +104,30 @@ def decoupled_natural_step(
     :param state: The previous step's state (empty at the first): ``step``, ``mean_precision``
         (:math:`\bar{\mathbf P}`) and ``residual_curvature`` (:math:`\bar{\mathbf r}`), not bias-corrected,
         ``kl_residual_gradient`` (:math:`\bar{\mathbf g}`, with a sampled KL) and the ``step_size`` taken.
+    :param prior_blocks: The prior's blocks at stacked input sets, ``prior_blocks(*inputs)``, a
+        :class:`~gpytorch_decoupled.variational.JointPrior` (default:
+        :func:`~gpytorch_decoupled.variational.joint_prior` of the strategy's model; the lean training step passes
+        :meth:`~gpytorch_decoupled.variational.JointPrior.of_kernel` of its kernel: the same values without the
+        model's forward pass).
     :return: The new raw ``mean_coefficients`` and ``precision_factor``, in their dtypes, and the new state.
     """
     distribution = strategy._variational_distribution
     coefficients, factor = distribution.mean_coefficients, distribution.precision_factor
     f64 = torch.float64
     beta, inputs = strategy.inducing_points, curvature.inputs
-    prior = joint_prior(strategy.model, beta, inputs)
+    prior_at = functools.partial(joint_prior, strategy.model) if prior_blocks is None else prior_blocks
+    prior = prior_at(beta, inputs)
     beta_covariance = prior.dense(0, 0).to(f64)
     beta_variances = beta_covariance.diagonal(dim1=-2, dim2=-1)
     weight = curvature.kl_weight.to(f64)[..., None, None]
     data_weights = curvature.variance_weights.to(f64).clamp_min(0)  # Lambda
     mean_weights = data_weights + curvature.mean_weights.to(f64)  # Lambda_m
-    whitener = _pseudo_inverse_root(beta_covariance, torch.finfo(coefficients.dtype).eps)  # X
+    whitener = pseudo_inverse_root(beta_covariance, torch.finfo(coefficients.dtype).eps)  # X
     pseudo_inverse = whitener @ whitener.mT  # K_beta^+
     data_map = pseudo_inverse @ prior.dense(0, 1).to(f64)  # X Phi = K_beta^+ K_beta,x, (..., M_beta, n)
     precision_target = weighted_gram(data_map, mean_weights)  # X Phi L_m Phi^T X^T
-    beta_alpha, alpha_variances, data_diagonal, data_blocks = _mean_basis_blocks(strategy, inputs, mean_weights)
+    blocks = _mean_basis_blocks(strategy, prior_at, inputs, mean_weights)
+    beta_alpha, alpha_variances, data_diagonal, data_blocks = blocks
     # The M_beta x M_alpha blocks stay in the model's dtype (see _product); their reductions are float64.
     projection = _product(whitener.mT, beta_alpha)  # W
     projected_variances = _squared_column_norms(projection)  # diag(K_ab K_b^+ K_ba)
@@ -137,14 +155,14 @@ def decoupled_natural_step(
     residual_variances = (alpha_variances - projected_variances).clamp_min(0)  # diag(K_alpha - W^T W)
     if curvature.kl_samples:  # the sampled KL's gradient: its part through beta exact, the rest averaged over steps
         gradient = gradient + _kl_gradient_correction(
-            strategy, curvature, projection, residual_variances, a, lr, state, new_state
+            strategy, prior_at, curvature, projection, residual_variances, a, lr, state, new_state
         )
     # U^T U = K_ab (c K_b^+ + P_avg) K_ba = K_ab R R^T K_ba: M_beta rows.
-    curvature_root = _square_root(weight * pseudo_inverse + new_state["mean_precision"] / bias)  # R
+    curvature_root = positive_part_root(weight * pseudo_inverse + new_state["mean_precision"] / bias)  # R
     rows = _product(curvature_root.mT, beta_alpha)  # U = R^T K_ba
     exact_diagonal = (weight[..., 0] * residual_variances + data_residual).clamp_min(0)
     # A column-sampled KL's gradient is noisier the fewer rows it draws: the damping grows with the sampling ratio.
-    sampling_ratio = max((a.size(-1) / drawn.numel() for drawn, _ in curvature.kl_samples), default=1.0)
+    sampling_ratio = max([a.size(-1) / drawn.numel() for drawn, _ in curvature.kl_samples] or [1.0])
     damping = damping * sampling_ratio
     diagonal = exact_diagonal + damping * (exact_diagonal + _squared_column_norms(rows)).mean(-1, keepdim=True)  # E
     scaled_rows = rows / diagonal.unsqueeze(-2).to(rows.dtype)
@@ -178,7 +196,7 @@ def _padded(previous: Tensor | None, like: Tensor) -> Tensor:
 
 
 def _mean_basis_blocks(
-    strategy: DecoupledVariationalStrategy, inputs: Tensor, weights: Tensor
+    strategy: DecoupledVariationalStrategy, prior_at: Callable[..., JointPrior], inputs: Tensor, weights: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     r""":math:`\mathbf K_{\beta\alpha}` and the blocks of :math:`\mathbf K_{\alpha\mathbf x}` in the model's dtype,
     :math:`\operatorname{diag}(\mathbf K_\alpha)` and
@@ -190,7 +208,7 @@ def _mean_basis_blocks(
     f64 = torch.float64
     blocks, data_blocks = [], []
     for start in range(0, mean_points.size(-2), block_size):
-        prior = joint_prior(strategy.model, strategy.inducing_points, inputs, mean_points[start : start + block_size])
+        prior = prior_at(strategy.inducing_points, inputs, mean_points[start : start + block_size])
         cross = prior.dense(2, 1)
         data_blocks.append(cross)
         data_diagonal = _matvec(cross * cross, weights)
@@ -207,6 +225,7 @@ def _data_values(data_blocks: list[Tensor], coefficients: Tensor) -> Tensor:
 
 def _kl_gradient_correction(
     strategy: DecoupledVariationalStrategy,
+    prior_at: Callable[..., JointPrior],
     curvature: DecoupledCurvature,
     projection: Tensor,
     residual_variances: Tensor,
@@ -224,7 +243,7 @@ def _kl_gradient_correction(
     weights = [weight.to(f64).unsqueeze(-1) for _, weight in curvature.kl_samples]
     correction, residual = 0, 0
     for (rows, _), weight in zip(curvature.kl_samples, weights, strict=True):
-        row_block = joint_prior(strategy.model, mean_points[rows], mean_points).dense(0, 1)  # K_Ca
+        row_block = prior_at(mean_points[rows], mean_points).dense(0, 1)  # K_Ca
         sampled, sampled_residual = _sampled_residual_gradient(row_block, projection, residual_variances, a, rows)
         correction = correction - weight * sampled
         residual = residual + weight * sampled_residual
@@ -281,35 +300,3 @@ def _matvec(matrix: Tensor, vector: Tensor) -> Tensor:
 def _squared_column_norms(matrix: Tensor) -> Tensor:
     """The squared Euclidean norms of a matrix's columns, in float64."""
     return (matrix * matrix).sum(-2).to(torch.float64)
-
-
-def _pseudo_inverse_root(matrix: Tensor, eps: float) -> Tensor:
-    r"""A root :math:`\mathbf X` of the pseudo-inverse of a PSD matrix, :math:`\mathbf A^+ = \mathbf X\mathbf X^\top`,
-    with the eigenvalues below the pseudo-inverse's tolerance (``eps`` times the size times the largest eigenvalue)
-    dropped. Where the Cholesky factor :math:`\mathbf L` proves that no eigenvalue is dropped (the smallest is at least
-    :math:`1/\operatorname{tr}(\mathbf A^{-1}) = 1/\lVert\mathbf L^{-1}\rVert_F^2` and the largest at most the
-    largest absolute row sum), :math:`\mathbf X = \mathbf L^{-\top}`; otherwise :math:`\mathbf X = \mathbf U
-    \boldsymbol\Lambda_+^{-1/2}` from the eigendecomposition :math:`\mathbf U\boldsymbol\Lambda\mathbf U^\top`.
-    Every use of :math:`\mathbf X` in the step is invariant to its rotation :math:`\mathbf X\mathbf Q`."""
-    size = matrix.size(-1)
-    factor, info = torch.linalg.cholesky_ex(matrix)
-    if not info.any():
-        inverse_factor = solve_lower(factor, identity_like(matrix))  # L^-1
-        largest_bound = matrix.abs().sum(-1).amax(-1)
-        if (inverse_factor.pow(2).sum((-2, -1)) * eps * size * largest_bound < 1).all():
-            return inverse_factor.mT
-    eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
-    tolerance = eps * size * eigenvalues.amax(-1, keepdim=True)
-    kept = eigenvalues > tolerance
-    return eigenvectors * torch.where(kept, eigenvalues.clamp_min(tolerance).rsqrt(), 0).unsqueeze(-2)
-
-
-def _square_root(matrix: Tensor) -> Tensor:
-    r""":math:`\mathbf R` with :math:`\mathbf R\mathbf R^\top` the positive part of a symmetric PSD matrix (up to
-    rounding): its Cholesky factor, or, where rounding or a null space makes that fail, the eigenvectors scaled by the
-    square roots of the eigenvalues clamped at zero."""
-    factor, info = torch.linalg.cholesky_ex(matrix)
-    if not info.any():
-        return factor
-    eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
-    return eigenvectors * eigenvalues.clamp_min(0).sqrt().unsqueeze(-2)

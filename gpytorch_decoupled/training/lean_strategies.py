@@ -10,7 +10,7 @@ the inputs and this step's random draws (made eagerly, before the compiled regio
 entry in :data:`STRATEGY_TERMS`, from the same generator calls as the strategy's own training pass; none for the
 strategies here), and returns ``(mean, variance, kl, statistics)``: ``statistics`` is what an update of the step
 needs of the forward pass besides the loss (t-SVGP's E-step: :class:`~gpytorch_decoupled.variational.
-DualSiteStatistics`), or None.
+DualSiteStatistics`; the decoupled strategy's curvature step: :class:`DecoupledTerms`), or None.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..linalg import LeanKernel, add_to_diagonal, jittered_cholesky, kernel_keep_size, solve_lower, whitened_kl
 from ..variational import (
+    DecoupledVariationalStrategy,
     DualSiteStatistics,
     DualVariationalStrategy,
     FastNaturalVariationalDistribution,
@@ -33,6 +34,18 @@ from ..variational import (
 from ..variational.dual_variational_strategy import whitened_posterior_factors, whitened_u_space_sites
 
 MeanFunction = Callable[[Tensor], Tensor]
+
+
+class DecoupledTerms(NamedTuple):
+    r"""The training terms of a :class:`~gpytorch_decoupled.variational.DecoupledVariationalStrategy` whose
+    derivatives :class:`~gpytorch_decoupled.optim.MeanBasisAdam`'s curvature step reads (what the strategy's hooks
+    record in an eager backward pass, :class:`~gpytorch_decoupled.variational.DecoupledCurvature`): the lean step
+    differentiates the loss by them beside the parameters."""
+
+    inputs: Tensor  # x, (N, D)
+    mean: Tensor  # the marginal means at x, (N,)
+    variance: Tensor  # the marginal variances at x, (N,)
+    kl: Tensor  # the KL divergence, ()
 
 
 class WhitenedQ(NamedTuple):
@@ -143,6 +156,34 @@ def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction,
     return mean, variance, kl, None
 
 
+def _decoupled_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
+    r"""
+    The decoupled strategy's training pass (Cheng & Boots 2017, App. B): :math:`\mathbf a` and :math:`\mathbf L_B`
+    (Jacobi-scaled where the strategy is), the float64 factor :math:`\mathbf R` of :math:`\mathbf H = \mathbf I +
+    \mathbf L_B^\top\mathbf K_\beta\mathbf L_B`, the marginals :math:`\mu_0 + \mathbf K_{\mathbf x\alpha}\mathbf a`
+    (swept in tiles) and :math:`k(\mathbf x_n, \mathbf x_n) - \lVert\mathbf v_n\rVert^2`, :math:`\mathbf V =
+    \mathbf R^{-1}\mathbf L_B^\top\mathbf K_{\beta\mathbf x}`, and the KL :math:`\tfrac12\mathbf a^\top\mathbf
+    K_\alpha\mathbf a + \tfrac12[\log\lvert\mathbf H\rvert + \operatorname{tr}\mathbf H^{-1} - M_\beta]`, its
+    quadratic form swept exactly over the tiles of the upper triangle (a mean basis of at most ``exact_kl_size``
+    points); the terms themselves are the statistics (:class:`DecoupledTerms`).
+    """
+    beta, alpha = strategy.inducing_points, strategy.mean_inducing_points
+    coefficients, factor = strategy._variational_distribution()
+    if strategy.jacobi_preconditioning:
+        coefficients = coefficients / kernel.diagonal(alpha)
+        factor = factor / kernel.diagonal(beta).unsqueeze(-1)
+    beta_covariance = kernel(beta, beta)
+    inner = factor.double().mT @ beta_covariance.double() @ factor.double()
+    chol = jittered_cholesky(
+        add_to_diagonal(inner, 1.0), jitter=strategy._jitter_val, name="DecoupledVariationalStrategy H"
+    )
+    reduction = solve_lower(chol.to(x.dtype), factor.mT @ kernel(beta, x))
+    mean = prior_mean(x) + kernel.matvec(x, alpha, coefficients)
+    variance = kernel.diagonal(x) - reduction.pow(2).sum(-2)
+    kl = 0.5 * kernel.quadratic_form(alpha, coefficients) + whitened_kl(chol).to(x.dtype)
+    return mean, variance, kl, DecoupledTerms(x, mean, variance, kl)
+
+
 def _dual_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
     r"""
     t-SVGP's training pass (:class:`~gpytorch_decoupled.variational.DualVariationalStrategy`, u-space sites): from
@@ -181,23 +222,32 @@ def _supports_svgp(strategy) -> str | None:
     return None
 
 
+def _exact_mean_basis(strategy) -> str | None:
+    """Why the training KL of the strategy's mean basis is not exact (the lean path computes only exact ones), or
+    None."""
+    basis = strategy.mean_basis
+    training = basis.training
+    basis.train()  # the question is about training steps
+    exact = basis.exact_quadratic_form()
+    basis.train(training)
+    if exact:
+        return None
+    return (
+        f"the mean basis (M={basis.inducing_points.size(-2)}) is larger than exact_kl_size, so its training KL is an "
+        "estimate from sampled rows (not on the lean path yet)"
+    )
+
+
 def _supports_residual_mean(strategy) -> str | None:
     if strategy.inducing_points.dim() != 2:
         return "the inducing points have a batch shape"
     if not supports_whitened_q(strategy._variational_distribution):
         name = type(strategy._variational_distribution).__name__
         return f"{name} (supported: FastNaturalVariationalDistribution, CholeskyVariationalDistribution)"
-    basis = strategy.mean_basis
-    size = basis.inducing_points.size(-2)
-    training = basis.training
-    basis.train()  # the question is about training steps
-    exact = basis.exact_quadratic_form()
-    basis.train(training)
-    if not exact:
-        return (
-            f"the mean basis (M={size}) is larger than exact_kl_size, so its training KL is a control-variate estimate "
-            "from rows drawn by |a| (not on the lean path yet)"
-        )
+    reason = _exact_mean_basis(strategy)
+    if reason is not None:
+        return reason
+    size = strategy.mean_basis.inducing_points.size(-2)
     # The lean path forms the block of the rows beta (and the batch) by the basis densely; the KL is swept in tiles.
     if (size + strategy.inducing_points.size(-2)) * size > kernel_keep_size.value():
         return (
@@ -205,6 +255,12 @@ def _supports_residual_mean(strategy) -> str | None:
             "batch by the basis, within kernel_keep_size); the general path's tiled products keep memory bounded"
         )
     return None
+
+
+def _supports_decoupled(strategy) -> str | None:
+    if strategy.inducing_points.dim() != 2 or strategy._variational_distribution.precision_factor.dim() != 2:
+        return "the inducing points or the variational parameters have a batch shape"
+    return _exact_mean_basis(strategy)
 
 
 def _supports_dual(strategy) -> str | None:
@@ -221,4 +277,5 @@ STRATEGY_TERMS: dict[type, tuple[Callable, Callable, Callable]] = {
     OrthogonallyDecoupledVariationalStrategy: (_supports_residual_mean, lambda strategy: None, _residual_mean_terms),
     HybridVariationalStrategy: (_supports_residual_mean, lambda strategy: None, _residual_mean_terms),
     DualVariationalStrategy: (_supports_dual, lambda strategy: None, _dual_terms),
+    DecoupledVariationalStrategy: (_supports_decoupled, lambda strategy: None, _decoupled_terms),
 }

@@ -15,17 +15,22 @@ eagerly).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import gpytorch
 import torch
 from torch import Tensor
 
+from ..linalg import LeanKernel
 from ..optim import MeanBasisAdam
+from ..optim.mean_basis_adam import NATURAL_STATE
+from ..variational import DecoupledCurvature, DecoupledVariationalStrategy, JointPrior
 
-# an update takes the gradients of all the step's parameters and its optimizer's rates, one per parameter group (a
-# float64 tensor: group_rates)
-Update = Callable[[Sequence[Tensor | None], Tensor], None]
+# An update takes the gradients of all the step's parameters, its optimizer's rates, one per parameter group (a float64
+# tensor: group_rates), and the step's DecoupledCurvature (None where no optimizer reads it); it returns a boolean
+# tensor that is False where a decoupled strategy's step was not finite (and not applied), or None.
+Update = Callable[[Sequence[Tensor | None], Tensor, DecoupledCurvature | None], Tensor | None]
 
 
 def unsupported_optimizer(optimizer) -> str | None:
@@ -47,10 +52,14 @@ def unsupported_optimizer(optimizer) -> str | None:
 def group_rates(optimizer, function_scales: Sequence[Tensor] | None = None) -> list[float]:
     r"""The learning rate of each of ``optimizer``'s parameter groups for this step, as its ``step()`` would use it:
     the group's ``lr``, divided by the group's function scale for :class:`~gpytorch_decoupled.optim.MeanBasisAdam`
-    (``function_scales``, from its :meth:`~gpytorch_decoupled.optim.MeanBasisAdam.smoothed_function_scales`)."""
+    (``function_scales``, from its :meth:`~gpytorch_decoupled.optim.MeanBasisAdam.smoothed_function_scales`; None for
+    the group of a decoupled strategy, whose rate is its Gauss-Newton step's)."""
     if function_scales is None:
-        return [float(group["lr"]) for group in optimizer.param_groups]
-    return [group["lr"] / float(scale) for group, scale in zip(optimizer.param_groups, function_scales, strict=True)]
+        function_scales = [None] * len(optimizer.param_groups)
+    return [
+        float(group["lr"]) if scale is None else group["lr"] / float(scale)  # a decoupled strategy's group: no scale
+        for group, scale in zip(optimizer.param_groups, function_scales, strict=True)
+    ]
 
 
 def rate_tensor(optimizers: Sequence, function_scales: Sequence, device: torch.device) -> Tensor:
@@ -64,11 +73,13 @@ def rate_tensor(optimizers: Sequence, function_scales: Sequence, device: torch.d
     return torch.tensor(rates, dtype=torch.float64, device=device)
 
 
-def optimizer_update(optimizer, positions: list[list[int]]) -> Update:
+def optimizer_update(optimizer, positions: list[list[int]], kernel: LeanKernel | None = None) -> Update:
     r"""
     The update of ``optimizer`` as a function of the gradients of all the step's parameters, where ``positions[g][i]``
     is the index of parameter ``i`` of group ``g`` among them. Creates the optimizer's state now where it has none
-    (exactly as its first ``step()`` would), so that the compiled region only reads and updates it.
+    (exactly as its first ``step()`` would, or as zeros that its first step reads as it reads no state), so that the
+    compiled region only reads and updates it. ``kernel`` is the model's lean kernel: the decoupled step of a
+    :class:`~gpytorch_decoupled.optim.MeanBasisAdam` evaluates its kernel blocks with it.
 
     The update reads the optimizer's ``param_groups`` and ``state`` through references taken here, never through the
     optimizer object: Dynamo guards every entry of the groups of an optimizer it traces, the learning rates too, which
@@ -77,9 +88,12 @@ def optimizer_update(optimizer, positions: list[list[int]]) -> Update:
     """
     if type(optimizer) is gpytorch.optim.NGD:
         update = _ngd_update(optimizer.param_groups, optimizer.num_data, positions)
+    elif type(optimizer) is MeanBasisAdam:
+        update = _mean_basis_adam_update(optimizer, positions, kernel)
     else:
         update = _adam_update(optimizer.param_groups, optimizer.state, positions)
     update.sources = (optimizer.param_groups, optimizer.state)
+    update.kernel = kernel
     return update
 
 
@@ -89,11 +103,103 @@ def current_update(update: Update, optimizer, positions: list[list[int]]) -> Upd
     groups, state = update.sources
     if groups is optimizer.param_groups and state is optimizer.state:
         return update
-    return optimizer_update(optimizer, positions)
+    return optimizer_update(optimizer, positions, update.kernel)
+
+
+def natural_strategies(optimizer) -> dict[int, DecoupledVariationalStrategy]:
+    """The decoupled strategies that a :class:`~gpytorch_decoupled.optim.MeanBasisAdam` steps by their curvature, by
+    the number of their parameter group (none for other optimizers)."""
+    if type(optimizer) is not MeanBasisAdam:
+        return {}
+    return {
+        number: strategy
+        for number, strategy in enumerate(optimizer.strategies)
+        if isinstance(strategy, DecoupledVariationalStrategy)
+    }
+
+
+def _mean_basis_adam_update(optimizer: MeanBasisAdam, positions: list[list[int]], kernel: LeanKernel | None) -> Update:
+    """:class:`~gpytorch_decoupled.optim.MeanBasisAdam`'s step: the decoupled step of each decoupled strategy's
+    group (computed before the others change anything, as its ``step()`` does) and Adam on the other groups."""
+    natural = natural_strategies(optimizer)
+    adam = _adam_update(
+        optimizer.param_groups, optimizer.state, positions, [n for n in range(len(positions)) if n not in natural]
+    )
+    steps = [
+        _decoupled_update(
+            optimizer.param_groups[number], optimizer.state, positions[number][0], strategy, kernel, number
+        )
+        for number, strategy in natural.items()
+    ]
+
+    def update(
+        gradients: Sequence[Tensor | None], rates: Tensor, curvature: DecoupledCurvature | None
+    ) -> Tensor | None:
+        new_values = [step(gradients, rates, curvature) for step in steps]
+        adam(gradients, rates, curvature)
+        finite = None
+        for store in new_values:
+            if store is not None:
+                done = store()
+                finite = done if finite is None else finite & done
+        return finite
+
+    return update
+
+
+def _decoupled_update(
+    group: dict, states: dict, index: int, strategy: DecoupledVariationalStrategy, kernel: LeanKernel, number: int
+):
+    r"""The decoupled step of one strategy (MeanBasisAdam's, :ref:`derivations-decoupled-step`) as a function of the
+    gradients, rates and curvature: it computes the new :math:`\mathbf a`, :math:`\mathbf L_B` and state without
+    changing anything, and returns the function that stores them where all are finite (else nothing changes) and
+    returns whether they were."""
+    parameter = group["params"][0]
+    distribution = strategy._variational_distribution
+    state = states[parameter]
+    if "step" not in state:  # zeros read as no state: the first step's running averages start from zero either way
+        f64 = torch.float64
+        batch = distribution.precision_factor.shape[:-2]
+        size = distribution.precision_factor.size(-1)
+        device = parameter.device
+        state["step"] = torch.zeros((), dtype=f64, device=device)
+        state["mean_precision"] = torch.zeros(*batch, size, size, dtype=f64, device=device)
+        state["residual_curvature"] = torch.zeros(parameter.shape, dtype=f64, device=device)
+        state["step_size"] = torch.zeros(batch, dtype=f64, device=device)
+    prior_blocks = functools.partial(JointPrior.of_kernel, kernel)
+
+    def step(gradients: Sequence[Tensor | None], rates: Tensor, curvature: DecoupledCurvature | None):
+        gradient = gradients[index]
+        if gradient is None:
+            return None
+        previous = {key: value for key, value in state.items() if key in NATURAL_STATE}
+        new_a, new_factor, new_state = MeanBasisAdam.decoupled_step(
+            strategy,
+            curvature,
+            gradient,
+            rates[number],
+            group["covariance_lr"],
+            group["damping"],
+            previous,
+            prior_blocks,
+        )
+
+        def store() -> Tensor:
+            finite = torch.isfinite(new_a).all() & torch.isfinite(new_factor).all()
+            stored = [(distribution.mean_coefficients, new_a), (distribution.precision_factor, new_factor)]
+            stored += [(state[key], value) for key, value in new_state.items()]
+            for target, value in stored:
+                # through flat views: see _adam_parameter_update
+                target.view(-1).copy_(torch.where(finite, value.to(target.dtype), target).reshape(-1))
+            return finite
+
+        return store
+
+    return step
 
 
 def _ngd_update(param_groups: list[dict], num_data: int, positions: list[list[int]]) -> Update:
-    def update(gradients: Sequence[Tensor | None], rates: Tensor) -> None:
+    def update(gradients: Sequence[Tensor | None], rates: Tensor, curvature=None) -> None:
         for number, indices in enumerate(positions):
             group = param_groups[number]
             step = rates[number] * num_data
@@ -105,8 +211,12 @@ def _ngd_update(param_groups: list[dict], num_data: int, positions: list[list[in
     return update
 
 
-def _adam_update(param_groups: list[dict], states: dict, positions: list[list[int]]) -> Update:
-    for group in param_groups:
+def _adam_update(
+    param_groups: list[dict], states: dict, positions: list[list[int]], numbers: list[int] | None = None
+) -> Update:
+    """Adam's step on the groups ``numbers`` (default: all)."""
+    numbers = range(len(param_groups)) if numbers is None else numbers
+    for group in (param_groups[number] for number in numbers):
         capturable = group["capturable"] or any(parameter.device.type != "cpu" for parameter in group["params"])
         for parameter in group["params"]:
             state = states[parameter]
@@ -118,8 +228,9 @@ def _adam_update(param_groups: list[dict], states: dict, positions: list[list[in
                 state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
 
-    def update(gradients: Sequence[Tensor | None], rates: Tensor) -> None:
-        for number, indices in enumerate(positions):
+    def update(gradients: Sequence[Tensor | None], rates: Tensor, curvature=None) -> None:
+        for number in numbers:
+            indices = positions[number]
             group = param_groups[number]
             beta1, beta2 = group["betas"]
             lr = rates[number]

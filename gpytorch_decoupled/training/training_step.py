@@ -13,11 +13,17 @@ from ..gpytorch_compat import initialize_variational_distribution
 from ..linalg import all_finite, keep_freed_cpu_memory
 from ..optim import DualEStep, MeanBasisAdam
 from ..validation import check_inputs, check_targets, checks_target_values
-from ..variational import DualVariationalStrategy
+from ..variational import DecoupledCurvature, DualVariationalStrategy
 from .eager_training_step import eager_training_step
 from .lean_e_step import LeanEStep
 from .lean_elbo import LeanELBO
-from .optimizer_updates import current_update, optimizer_update, rate_tensor, unsupported_optimizer
+from .optimizer_updates import (
+    current_update,
+    natural_strategies,
+    optimizer_update,
+    rate_tensor,
+    unsupported_optimizer,
+)
 
 
 class TrainingStep:
@@ -36,7 +42,13 @@ class TrainingStep:
       (:class:`~gpytorch_decoupled.variational.DualVariationalStrategy` with its
       :class:`~gpytorch_decoupled.optim.DualEStep` among the optimizers) the step is the iteration of the default
       schedule: the E-step (:class:`~gpytorch_decoupled.training.LeanEStep`) at the forward pass's marginals, after
-      the gradients and before the other updates.
+      the gradients and before the other updates. For the decoupled strategy
+      (:class:`~gpytorch_decoupled.variational.DecoupledVariationalStrategy`) stepped by
+      :class:`~gpytorch_decoupled.optim.MeanBasisAdam`, the same :func:`torch.autograd.grad` call differentiates the
+      loss by the marginals and the KL as well: the curvature that the strategy's hooks record in an eager backward
+      pass (:class:`~gpytorch_decoupled.variational.DecoupledCurvature`), from which the optimizer's update takes its
+      natural-gradient and Gauss-Newton step. Where that step is not finite, the strategy's parameters and the
+      optimizer's state keep their values and a ``RuntimeError`` follows the step (the other updates were applied).
     * **Eager fallback.** Anything else (an unsupported strategy, kernel, likelihood, objective or optimizer, or
       ``lean=False``) runs the ordinary eager step (:func:`~gpytorch_decoupled.training.eager_training_step`), with
       one warning that names the reason (:attr:`fallback_reason`). GPyTorch's general path is not compiled: its
@@ -101,9 +113,13 @@ class TrainingStep:
             self._function = None
             return
         self._positions = optimizer_positions
+        kernel = self.lean.kernel
         self._updates = [
-            optimizer_update(optimizer, groups) for optimizer, groups in zip(gradient_optimizers, optimizer_positions)
+            optimizer_update(optimizer, groups, kernel)
+            for optimizer, groups in zip(gradient_optimizers, optimizer_positions)
         ]
+        # the decoupled strategy's curvature step reads the loss's derivatives by its marginals and KL
+        self._reads_curvature = any(natural_strategies(optimizer) for optimizer in gradient_optimizers)
         self._gradient_optimizers = gradient_optimizers
         # where each optimizer's group rates start in the step's tensor of rates
         ends = list(itertools.accumulate(len(optimizer.param_groups) for optimizer in gradient_optimizers))
@@ -125,14 +141,31 @@ class TrainingStep:
     def _lean_step(self, x: Tensor, y: Tensor, draws: Tensor | None, e_step_lr: Tensor | None, rates: Tensor):
         loss, statistics = self.lean.loss_and_statistics(x, y, draws)
         value = loss.detach()
-        gradients = torch.autograd.grad(loss, self.parameters, allow_unused=True)
+        curvature = None
+        if self._reads_curvature:
+            terms = (statistics.mean, statistics.variance, statistics.kl)
+            *gradients, mean_gradient, variance_gradient, kl_weight = torch.autograd.grad(
+                loss, [*self.parameters, *terms], allow_unused=True
+            )
+            # what DecoupledVariationalStrategy's hooks record of an eager backward pass
+            curvature = DecoupledCurvature(
+                inputs=statistics.inputs.detach(),
+                variance_weights=2 * variance_gradient,
+                mean_weights=mean_gradient.pow(2) * mean_gradient.size(-1),
+                kl_weight=kl_weight,
+            )
+        else:
+            gradients = torch.autograd.grad(loss, self.parameters, allow_unused=True)
+        natural_done = None
         with torch.no_grad():
             # The E-step at this forward pass's marginals (t-SVGP's default schedule; the other updates do not change
             # what it reads); its new sites are stored after the compiled region (LeanEStep).
             e_step = None if self._e_step is None else self._e_step(y, statistics, e_step_lr)
             for update, rate_slice in zip(self._updates, self._rate_slices, strict=True):
-                update(gradients, rates[rate_slice])
-        return value, e_step
+                done = update(gradients, rates[rate_slice], curvature)
+                if done is not None:
+                    natural_done = done if natural_done is None else natural_done & done
+        return value, e_step, natural_done
 
     def _check(self, x: Tensor, y: Tensor) -> None:
         """Validates the mini-batch before anything changes. A batch whose tensors have the types, shapes, dtypes and
@@ -178,7 +211,7 @@ class TrainingStep:
         if self._dynamic_batch:
             mark_batch_dynamic(x, y)
         with self._trace_autograd_ops:
-            loss, e_step = self._function(x, y, draws, e_step_lr, rates)
+            loss, e_step, natural_done = self._function(x, y, draws, e_step_lr, rates)
         if self._cuda_graphs:  # the graph's output memory is overwritten by its next replay
             loss = loss.clone()
         for optimizer, group_scales in zip(self._gradient_optimizers, scales, strict=True):
@@ -196,6 +229,11 @@ class TrainingStep:
             raise RuntimeError(
                 "the training step's loss is not finite (e.g. a kernel matrix that is not positive definite even "
                 "with the largest jitter); the parameters were updated with non-finite values."
+            )
+        if natural_done is not None and not natural_done:
+            raise RuntimeError(
+                "MeanBasisAdam: the decoupled strategy's step is not finite; its mean coefficients, precision factor "
+                "and the optimizer's state were not changed (the other updates were applied)."
             )
         if e_step_done is not None and not e_step_done:
             raise RuntimeError(
@@ -223,6 +261,10 @@ def _unsupported(mll, e_steps: list, gradient_optimizers: list) -> str | None:
         reason = LeanELBO.unsupported(mll)
     if reason is not None:
         return reason
+    strategy = mll.model.variational_strategy
+    for optimizer in gradient_optimizers:
+        if any(stepped is not strategy for stepped in natural_strategies(optimizer).values()):
+            return "MeanBasisAdam stepping a decoupled strategy other than the objective's model's"
     for number, optimizer in enumerate(gradient_optimizers):
         # Its rate is computed from the kernel before the compiled region: no earlier optimizer may move the kernel.
         if type(optimizer) is MeanBasisAdam and any(

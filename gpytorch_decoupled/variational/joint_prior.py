@@ -23,9 +23,19 @@ class JointPrior(NamedTuple):
     layers; otherwise through the lazy covariance.
     """
 
-    distribution: MultivariateNormal  # the model's prior at the stacked inputs
+    distribution: MultivariateNormal | None  # the model's prior at the stacked inputs (None: of_kernel)
     sizes: tuple[int, ...]  # the number of rows of each input set
     lean: tuple[LeanKernel, Tensor, Tensor] | None = None  # LeanKernel.of_block of the covariance
+
+    @classmethod
+    def of_kernel(cls, kernel: LeanKernel, *inputs: Tensor) -> JointPrior:
+        r"""The covariance blocks and variances of a prior with the lean ``kernel`` at the stacked input sets (the
+        values :meth:`dense` and :meth:`diagonal` return for a model whose ``forward`` is that kernel's prior), without
+        evaluating the model: what the lean training step uses where :func:`joint_prior` would call ``model.forward``.
+        It has no distribution: :meth:`covariance` and :meth:`mean` are not available."""
+        batch_shape = broadcast_shapes(*(x.shape[:-2] for x in inputs))
+        stacked = torch.cat([x.expand(*batch_shape, *x.shape[-2:]) for x in inputs], dim=-2)
+        return cls(None, tuple(x.size(-2) for x in inputs), (kernel, stacked, stacked))
 
     def _rows(self, index: int | slice) -> slice:
         """The rows of the stacked inputs of one input set or of a range of consecutive ones."""

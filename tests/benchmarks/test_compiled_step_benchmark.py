@@ -29,7 +29,9 @@ def test_compiled_step_tiny_run(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("mode", ["lean", "compiled", "graphs"])
-@pytest.mark.parametrize("family", ["gpytorch-svgp-adam", "ours-svgp-natural", "ours-orthnat", "ours-tsvgp"])
+@pytest.mark.parametrize(
+    "family", ["gpytorch-svgp-adam", "ours-svgp-natural", "ours-orthnat", "ours-tsvgp", "ours-decoupled"]
+)
 def test_lean_and_compiled_configurations_take_the_lean_path(family, mode, recwarn):
     # a fallback would time the eager step under the lean or compiled name; the worker refuses it (RuntimeError)
     config = f"{family}-{mode}"

@@ -117,11 +117,13 @@ def test_decoupled_step_tiny_run(tmp_path, capsys):
     payload = json.loads((tmp_path / "decoupled-step.json").read_text())
     _every_goal_in_ratios_and_goals(payload, STEP_GOALS)
     rows = {row["name"]: row for row in payload["rows"]}
-    assert set(rows) == {"svgp", "orthnat", "decoupled", "orthnat@Mγ=400", "orthnat-lean"}
+    assert set(rows) == {"svgp", "orthnat", "decoupled", "orthnat@Mγ=400", "orthnat-lean", "decoupled-lean"}
     assert rows["orthnat@Mγ=400"]["sizes"] == "Mγ=400, Mβ=20"
     assert rows["orthnat-lean"]["label"] == "OrthNat (ours), lean step"
     ratios = payload["ratios"]
     assert ratios["orthnat_lean_time_per_iteration"] == statistics.median(payload["per_repeat"]["orthnat-lean"])
+    assert ratios["decoupled_lean_time_per_iteration"] == statistics.median(payload["per_repeat"]["decoupled-lean"])
+    assert rows["decoupled-lean"]["label"] == "Decoupled (ours), lean step"
     assert ratios["peak_memory_gb_at_1e5"] * 1024 == rows["orthnat@Mγ=400"]["peak_memory_mb"] > 0
     assert all(len(values) == 2 for values in payload["per_repeat"].values())
     assert payload["per_repeat"]["svgp"] == [1.0, 1.0]

@@ -407,39 +407,10 @@ def test_decoupled_arguments_are_refused() -> None:
     assert optimizer.param_groups[0]["lr"] == 0.1 and model.variational_strategy.record_curvature
 
 
-def _psd(eigenvalues: torch.Tensor, seed: int) -> torch.Tensor:
-    basis = torch.linalg.qr(randn(eigenvalues.numel(), eigenvalues.numel(), gen=generator(seed)))[0]
-    return (basis * eigenvalues) @ basis.mT
-
-
-def test_pseudo_inverse_root_from_cholesky_or_eigenvalues() -> None:
-    # Well conditioned: the Cholesky path (X = L^-T); eigenvalues at 1e-20 of the largest: the eigendecomposition
-    # drops them. Either way X X^T is the pseudo-inverse at the step's tolerance (eps * size * largest).
-    eps = torch.finfo(torch.float32).eps
-    kept = torch.logspace(0, -3, 8, dtype=F64)
-    for eigenvalues in (kept, torch.cat([kept[:5], torch.full((3,), 1e-20, dtype=F64)])):
-        matrix = _psd(eigenvalues, 5)
-        root = decoupled_natural_step_module._pseudo_inverse_root(matrix, eps)
-        expected = torch.linalg.pinv(matrix, rtol=eps * 8, hermitian=True)
-        torch.testing.assert_close(root @ root.mT, expected, rtol=1e-10, atol=1e-10 * expected.norm().item())
-    cholesky_root = decoupled_natural_step_module._pseudo_inverse_root(_psd(kept, 5), eps)
-    assert torch.equal(cholesky_root.tril(-1), torch.zeros(8, 8, dtype=F64))  # L^-T: the Cholesky path was taken
-
-
-def test_square_root_of_a_singular_matrix_falls_back_to_its_positive_part() -> None:
-    for eigenvalues in (
-        torch.logspace(0, -3, 6, dtype=F64),
-        torch.tensor([2.0, 1.0, 0.5, 0.0, 0.0, -1e-17], dtype=F64),
-    ):
-        matrix = _psd(eigenvalues, 6)
-        root = decoupled_natural_step_module._square_root(matrix)
-        torch.testing.assert_close(root @ root.mT, _psd(eigenvalues.clamp_min(0), 6), rtol=0, atol=1e-14)
-
-
 def test_decoupled_step_is_the_same_through_either_whitener(monkeypatch) -> None:
     # Every use of the root X of K_beta^+ is invariant to its rotation: the step with the Cholesky whitener (the
     # certificate holds for this problem) equals the step with the eigendecomposition's.
-    eigenvalue_root = decoupled_natural_step_module._pseudo_inverse_root
+    eigenvalue_root = decoupled_natural_step_module.pseudo_inverse_root
 
     def without_cholesky(matrix, eps):
         with monkeypatch.context() as patch:
@@ -448,7 +419,7 @@ def test_decoupled_step_is_the_same_through_either_whitener(monkeypatch) -> None
 
     runs = []
     for root in (eigenvalue_root, without_cholesky):
-        monkeypatch.setattr(decoupled_natural_step_module, "_pseudo_inverse_root", root)
+        monkeypatch.setattr(decoupled_natural_step_module, "pseudo_inverse_root", root)
         model, likelihood, alpha, beta, X, y = _decoupled_problem()
         _elbo_steps(model, likelihood, X, y, MeanBasisAdam(model), 3)
         runs.append(_process(model))

@@ -27,6 +27,8 @@ FAMILIES = {
     "hybrid": {"strategy": "hybrid", "distribution": "cholesky"},
     "tsvgp": {"strategy": "dual", "distribution": "dual"},
     "orthnat-mean-basis-adam": {"strategy": "odvgp", "distribution": "fast_natural", "mean_rule": "mean-basis-adam"},
+    "decoupled": {"strategy": "decoupled", "distribution": "decoupled"},
+    "decoupled-jacobi": {"strategy": "decoupled", "distribution": "decoupled", "jacobi": True},
 }
 
 
@@ -77,7 +79,7 @@ def test_compiled_step_equals_eager_general_step(family):
             optimizer.step()
 
 
-@pytest.mark.parametrize("family", ["svgp-natural", "orthnat-mean-basis-adam"])
+@pytest.mark.parametrize("family", ["svgp-natural", "orthnat-mean-basis-adam", "decoupled"])
 def test_learning_rate_schedulers_do_not_recompile(family, recwarn):
     # every group's rate is data of the graph: a scheduler that changes every optimizer's rate at every step (more
     # steps than Dynamo's recompile limit) compiles nothing after the first step, does not warn that it stepped before
@@ -109,7 +111,7 @@ def test_learning_rate_schedulers_do_not_recompile(family, recwarn):
         torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("family", ["orthnat", "tsvgp"])
+@pytest.mark.parametrize("family", ["orthnat", "tsvgp", "decoupled"])
 def test_one_compilation_serves_every_batch_size(family):
     # a loader's smaller last batch (drop_last=False) takes the graph of the first compilation: the batch size is a
     # dynamic dimension from the start
@@ -175,6 +177,34 @@ def test_tsvgp_e_step_failure_keeps_the_sites_and_raises():
         step(x, y)
     for site, before in zip(model.variational_strategy._variational_distribution(), sites, strict=True):
         assert torch.equal(site, before)
+
+
+def test_decoupled_step_that_is_not_finite_changes_nothing_of_the_strategy_and_raises():
+    # The compiled step cannot raise inside its graph: MeanBasisAdam's curvature step keeps the strategy's parameters
+    # and its own state where its values are not finite, and the step raises after the graph (as eagerly, where
+    # MeanBasisAdam.step raises before changing anything).
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["decoupled"])
+    step = compile_training_step(mll, opts, backend="aot_eager")
+    step(x[:24], y[:24])
+    distribution = model.variational_strategy._variational_distribution
+    kept = [distribution.mean_coefficients, distribution.precision_factor]
+    kept += list(opts[0].state[distribution.mean_coefficients].values())
+    before = [tensor.clone() for tensor in kept]
+    opts[0].param_groups[0]["damping"] = float("nan")
+    with pytest.raises(RuntimeError, match="decoupled strategy's step is not finite"):
+        step(x[:24], y[:24])
+    for tensor, expected in zip(kept[:1] + kept[2:], before[:1] + before[2:], strict=True):
+        assert torch.equal(tensor, expected)
+    # L_B is Adam's parameter too: it took Adam's step (the other updates were applied), not the curvature step's
+    assert not torch.equal(kept[1], before[1]) and torch.isfinite(kept[1]).all()
+
+
+def test_mean_basis_adam_of_another_model_falls_back():
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["decoupled"])
+    other_model, _, _, other_opts, _, _ = _training(FAMILIES["decoupled"], seed=1)
+    with pytest.warns(UserWarning, match="decoupled strategy other than"):
+        step = compile_training_step(mll, [other_opts[0], opts[1]])
+    assert "MeanBasisAdam" in step.fallback_reason
 
 
 def test_mean_basis_adam_after_a_kernel_optimizer_falls_back():

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.inductor, pytest.mark.usefixtures("single_thread")]
 
 
 def _pair(seed=0, device="cpu", distribution="fast_natural", **compile_options):
-    options = {"strategy": "dual" if distribution == "dual" else "odvgp", "distribution": distribution}
+    strategy = {"dual": "dual", "decoupled": "decoupled"}.get(distribution, "odvgp")
+    options = {"strategy": strategy, "distribution": distribution}
     model, likelihood, mll, x, y = make_case(seed=seed, **options)
     eager_model, eager_likelihood, eager_mll, _, _ = make_case(seed=seed, **options)
     for module in (model, likelihood, eager_model, eager_likelihood):
@@ -48,6 +49,11 @@ def test_inductor_step_equals_eager():
 def test_inductor_tsvgp_iteration_equals_eager():
     # t-SVGP's E-step (Cholesky factorization with a failure flag, site updates in place) and M-step through Inductor.
     _assert_steps_equal(*_pair(distribution="dual"))
+
+
+def test_inductor_decoupled_step_equals_eager():
+    # MeanBasisAdam's curvature step (float64 factorizations, QR, the whitener's operator) through Inductor.
+    _assert_steps_equal(*_pair(distribution="decoupled"))
 
 
 def test_reduce_overhead_mode_runs_and_equals_eager():

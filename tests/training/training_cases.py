@@ -9,6 +9,8 @@ import torch
 from gpytorch_decoupled.mlls import DualVariationalELBO
 from gpytorch_decoupled.optim import DualEStep, MeanBasisAdam
 from gpytorch_decoupled.variational import (
+    DecoupledVariationalDistribution,
+    DecoupledVariationalStrategy,
     DualVariationalDistribution,
     DualVariationalStrategy,
     FastNaturalVariationalDistribution,
@@ -22,7 +24,16 @@ KERNELS = ("rbf_ard", "matern12", "matern32", "matern52", "rbf_unscaled")
 
 
 class CaseModel(gpytorch.models.ApproximateGP):
-    def __init__(self, z, strategy="svgp", distribution="fast_natural", kernel="rbf_ard", mean="constant", gamma=None):
+    def __init__(
+        self,
+        z,
+        strategy="svgp",
+        distribution="fast_natural",
+        kernel="rbf_ard",
+        mean="constant",
+        gamma=None,
+        jacobi=False,
+    ):
         q = (
             FastNaturalVariationalDistribution(z.size(0))
             if distribution == "fast_natural"
@@ -30,6 +41,11 @@ class CaseModel(gpytorch.models.ApproximateGP):
         )
         if strategy == "dual":  # t-SVGP: its own sites
             variational_strategy = DualVariationalStrategy(self, z, DualVariationalDistribution(z.size(0)))
+        elif strategy == "decoupled":  # its own parameters (a, L_B): the mean basis is gamma
+            q = DecoupledVariationalDistribution(gamma.size(0), z.size(0))
+            variational_strategy = DecoupledVariationalStrategy(
+                self, z, q, gamma, num_kl_columns=5, jacobi_preconditioning=jacobi
+            )
         elif strategy == "svgp":
             variational_strategy = gpytorch.variational.VariationalStrategy(self, z, q)
         else:
@@ -95,6 +111,11 @@ def optimizers(model, likelihood, num_data, distribution="fast_natural", mean_ru
     if distribution == "dual":
         e_step = DualEStep(model, likelihood, num_data=num_data, lr=0.5)
         return [e_step, torch.optim.Adam([*model.hyperparameters(), *likelihood.parameters()], lr=0.05)]
+    if distribution == "decoupled":  # MeanBasisAdam's curvature step on (a, L_B), Adam on the rest (L_B too)
+        mean_step = MeanBasisAdam(model, num_samples=4)
+        coefficients = model.variational_strategy.mean_basis.coefficients
+        rest = [p for p in [*model.parameters(), *likelihood.parameters()] if p is not coefficients]
+        return [mean_step, torch.optim.Adam(rest, lr=0.05)]
     if mean_rule == "mean-basis-adam":  # a decoupled strategy's mean coefficients by MeanBasisAdam (the default)
         ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=num_data, lr=0.1)
         mean_step = MeanBasisAdam(model, lr=0.3, num_samples=4)
