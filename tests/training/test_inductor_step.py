@@ -62,7 +62,7 @@ def test_reduce_overhead_mode_runs_and_equals_eager():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("distribution", ["fast_natural", "dual"])
+@pytest.mark.parametrize("distribution", ["fast_natural", "dual", "decoupled"])
 def test_cuda_graphs_step_replays_and_equals_eager(distribution):
     # Inductor skips CUDA graphs (with only a log line) when the graph updates a tensor whose address is not fixed,
     # e.g. an optimizer's state or t-SVGP's sites: none may be skipped.
