@@ -55,7 +55,9 @@ class TrainingStep:
       :class:`~linear_operator.operators.LinearOperator` layers and memoization break the graph dozens of times, and
       each break costs more than it saves at the sizes where overhead matters.
     * **Outside the compiled region**, once per step and cheaply: the model and likelihood are put in training mode,
-      :math:`q(\mathbf u)` is initialized on the first step as GPyTorch does, the inputs are validated (shape, dtype,
+      :math:`q(\mathbf u)` is initialized on the first step as GPyTorch does, the model's and likelihood's parameters
+      are checked to be the tensors the step was built with (a ``RuntimeError`` where, e.g., a basis growth replaced
+      them: the step would train the old ones), the inputs are validated (shape, dtype,
       device, NaN/inf: a ``ValueError`` before anything changes), the step's random draws (sampled KL rows) are made
       from the same generator calls as the eager step's, and the returned loss is checked to be finite: a
       non-finite loss (e.g. a kernel matrix not positive definite at the largest jitter, which the compiled
@@ -136,6 +138,7 @@ class TrainingStep:
         # One patch object for every call: making one costs more than entering it.
         self._trace_autograd_ops = torch._dynamo.config.patch(trace_autograd_ops=True)
         self._checked_signature: tuple | None = None
+        self._parameter_ids = _parameter_ids(self.model, self.likelihood)
         self._finiteness_suffices = not checks_target_values(self.likelihood)
 
     def _lean_step(self, x: Tensor, y: Tensor, draws: Tensor | None, e_step_lr: Tensor | None, rates: Tensor):
@@ -186,6 +189,12 @@ class TrainingStep:
                 module.train()
         if self._function is None:
             return eager_training_step(self.mll, self.optimizers, x, y)
+        if _parameter_ids(self.model, self.likelihood) != self._parameter_ids:
+            raise RuntimeError(
+                "the model's parameters were replaced since this training step was built (e.g. by OnlineBasisGrowth or "
+                "grow_bases, which replace the bases and coefficients): the step would train the old tensors; build "
+                "the optimizers and the training step again."
+            )
         self._check(x, y)
         strategy = self.model.variational_strategy
         if self._e_step is None:
@@ -321,6 +330,11 @@ def _updated_in_place(optimizers: list, *modules: torch.nn.Module) -> list[Tenso
         if isinstance(value, Tensor)
     ]
     return [*states, *(buffer for module in modules for buffer in module.buffers())]
+
+
+def _parameter_ids(*modules: torch.nn.Module) -> tuple[int, ...]:
+    """The identities of the modules' parameters, in order."""
+    return tuple(id(parameter) for module in modules for parameter in module.parameters())
 
 
 def _signature(*tensors: Tensor) -> tuple:

@@ -199,6 +199,22 @@ def test_decoupled_step_that_is_not_finite_changes_nothing_of_the_strategy_and_r
     assert not torch.equal(kept[1], before[1]) and torch.isfinite(kept[1]).all()
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["lean", "compiled"])
+def test_a_step_built_before_the_bases_grew_refuses_to_train_the_old_tensors(compile):
+    # grow_bases (as OnlineBasisGrowth does) replaces the mean basis's points and coefficients and L_B: the step, which
+    # holds the old tensors through its optimizers, would compute no gradient for the new ones and train nothing.
+    model, likelihood, mll, opts, x, y = _training(FAMILIES["decoupled"])
+    options = {"backend": "aot_eager"} if compile else {"compile": False}
+    step = compile_training_step(mll, opts, **options) if compile else TrainingStep(mll, opts, compile=False)
+    step(x[:24], y[:24])
+    model.variational_strategy.grow_bases(mean_points=x[:3] + 0.01, inducing_points=x[3:5] + 0.01)
+    before = _state(model, likelihood)
+    with pytest.raises(RuntimeError, match="parameters were replaced"):
+        step(x[:24], y[:24])
+    for value, expected in zip(_state(model, likelihood), before, strict=True):
+        assert torch.equal(value, expected)
+
+
 def test_mean_basis_adam_of_another_model_falls_back():
     model, likelihood, mll, opts, x, y = _training(FAMILIES["decoupled"])
     other_model, _, _, other_opts, _, _ = _training(FAMILIES["decoupled"], seed=1)
