@@ -173,3 +173,22 @@ def test_other_covariances_keep_the_general_path() -> None:
         torch.testing.assert_close(
             prior.diagonal(1), prior.covariance(1, 1).diagonal(dim1=-2, dim2=-1), rtol=0, atol=0, msg=name
         )
+
+
+def test_of_kernel_gives_the_models_blocks_without_its_forward_pass() -> None:
+    # The lean training step's prior blocks: the same dense blocks and variances as joint_prior of the model (the same
+    # lean kernel on the same stacked inputs), bit for bit, and no distribution (nothing of the model was called).
+    from gpytorch_decoupled.linalg import LeanKernel
+    from gpytorch_decoupled.variational import JointPrior
+
+    gen = torch.Generator().manual_seed(4)
+    z, x, w = (torch.randn(n, 2, generator=gen, dtype=F64) for n in (4, 3, 5))
+    model = ShiftedPrior()
+    model.covar_module.base_kernel.lengthscale = 0.6
+    expected = joint_prior(model, z, x, w)
+    prior = JointPrior.of_kernel(LeanKernel.of(model.covar_module), z, x, w)
+    assert prior.distribution is None and prior.sizes == (4, 3, 5)
+    for rows, columns in [(0, 0), (0, 1), (2, 1), (0, 2), (slice(0, 2), 2)]:
+        assert torch.equal(prior.dense(rows, columns), expected.dense(rows, columns))
+    for rows in range(3):
+        assert torch.equal(prior.diagonal(rows), expected.diagonal(rows))
