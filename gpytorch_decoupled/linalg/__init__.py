@@ -21,6 +21,7 @@ from .psd_roots import positive_part_root, pseudo_inverse_root
 from .quadratic_form import column_sampled_quadratic_form
 from .settings import kernel_keep_size, kernel_tile_size
 from .shapes import broadcast_shapes
+from .subnormal_floor import exponent_floor, floored_exp
 from .thin_cross_product import thin_cross_product
 from .triangular import (
     cholesky_logdet,
@@ -42,6 +43,8 @@ __all__ = [
     "coefficient_proportional_rows",
     "column_sampled_quadratic_form",
     "congruence",
+    "exponent_floor",
+    "floored_exp",
     "identity_like",
     "jittered_cholesky",
     "keep_freed_cpu_memory",

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .settings import kernel_tile_size
 from .shapes import broadcast_shapes
+from .subnormal_floor import exponent_floor
 
 # Isotropic kernels k = f(D) of the squared scaled distance D, with f and its derivative f' = df/dD.
 PROFILES = ("rbf", "matern32", "matern52")
@@ -93,7 +94,7 @@ class KernelTiles:
     ``exp`` on the CPU this was tuned on, 0.67 times on an AVX-512 Xeon; the factor rounds with the rows, adding no
     rounding step). Rounding can leave :math:`D` slightly negative for coincident points; the RBF needs no clamp there
     (:math:`e^{\epsilon} \approx 1`), Matérn clamps before its square root. Every exponential is kept at or above
-    :math:`2^t` (:func:`exponent_floor`), so that no tile holds a subnormal number.
+    :math:`2^t` (:func:`~gpytorch_decoupled.linalg.exponent_floor`), so that no tile holds a subnormal number.
     """
 
     def __init__(self, x: Tensor, z: Tensor, profile: str, symmetric: bool = False, keep: bool = False):
@@ -264,23 +265,10 @@ def bilinear_sums(
     return grad_x, grad_z, column_sums, row_sums
 
 
-def exponent_floor(dtype: torch.dtype) -> float:
-    r"""
-    The smallest power of two :math:`t` whose :math:`2^t` the kernel tiles keep: 80% of the way to the smallest normal
-    number of ``dtype`` (:math:`2^{-100.8}` in float32, :math:`2^{-817.6}` in float64). Smaller kernel values would be
-    subnormal numbers, or turn subnormal once multiplied in the tile's reductions, and an x86 CPU takes a microcode
-    assist of about a hundred cycles for each subnormal operand: on bike (17 inputs), as the length-scales shrank in
-    training, most far pairs of the mean basis fell there and an OrthNat step grew from 11 to 47 ms. Raised to
-    :math:`2^t`, such a value changes a sum by at most :math:`2^t` per entry, far below the rounding of the sum's
-    :math:`O(1)` terms (the diagonal is one of them).
-    """
-    return 0.8 * math.log2(torch.finfo(dtype).tiny)
-
-
 def _apply_profile(tile: Tensor, scratch: list[Tensor], profile: str, floor: float) -> tuple[Tensor, Tensor | None]:
     r""":math:`f(D)` and :math:`f'(D)` (None for the RBF) in place, from the tile of :math:`D` (of
     :math:`-D\log_2 e/2` for the RBF) and the scratch buffers; every exponential at least :math:`2^{\text{floor}}`
-    (:func:`exponent_floor` of the tile's dtype)."""
+    (:func:`~gpytorch_decoupled.linalg.exponent_floor` of the tile's dtype)."""
     if profile == "rbf":
         return tile.clamp_min_(floor).exp2_(), None
     # s = sqrt(2 nu) r with r^2 = D

@@ -7,9 +7,9 @@ from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from torch import Tensor
 
-from ._kernel_tiles import exponent_floor
 from ._squared_distance_kernel_matvec import squared_distance_kernel_matvec
 from ._squared_distance_quadratic_form import squared_distance_quadratic_form
+from .subnormal_floor import exponent_floor
 from .thin_cross_product import thin_cross_product
 
 _LN_2 = math.log(2.0)
@@ -167,7 +167,7 @@ class LeanKernel:
 
 def _distance_limit(dtype: torch.dtype, rate: float) -> float:
     r"""The distance :math:`r` at which :math:`e^{-\text{rate}\cdot r}` reaches the kernel tiles' floor
-    (:func:`~gpytorch_decoupled.linalg._kernel_tiles.exponent_floor`): distances are clamped to it, in the clamp the
+    (:func:`~gpytorch_decoupled.linalg.exponent_floor`): distances are clamped to it, in the clamp the
     expansion needs anyway, so that no kernel value, and no product of one in the backward pass, is a slow subnormal
     number."""
     return -_LN_2 * exponent_floor(dtype) / rate

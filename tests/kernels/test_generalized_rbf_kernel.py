@@ -200,3 +200,33 @@ def test_mixed_rows_with_unit_multipliers_keep_exact_values_and_first_derivative
     reference_grads = torch.autograd.grad((reference * weights).sum(), (x1, x2, kernel.raw_lengthscale))
     for grad, expected in zip(grads, reference_grads, strict=True):
         torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_values_below_the_floor_are_raised_to_it_on_every_path_and_kept_above():
+    """Far pairs (up to hundreds of length-scales) against basis rows, through the matrix-product path (data rows), the
+    pairwise path (rows with a gradient) and the diagonal: no subnormal value, every value at least the floor of the
+    dtype, and the formula's value (the reference, entry by entry in float64) wherever it is well above the floor."""
+    from gpytorch_decoupled.linalg import exponent_floor
+
+    # float32: the tail values carry the rounding of their exponents (up to about 70 here) times float32's epsilon
+    # (float64: exponents up to about 500)
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.float64, 1e-11)):
+        kernel = GeneralizedRBFKernel(ard_num_dims=D).to(dtype)
+        kernel.lengthscale = torch.tensor([[0.3, 0.5, 0.2]], dtype=dtype)
+        floor = 2.0 ** exponent_floor(dtype)
+        generator = torch.Generator().manual_seed(5)
+        spread = 2.0 if dtype == torch.float32 else 12.0  # float64's floor is far: the points must be farther apart
+        data = torch.randn(30, D, generator=generator, dtype=dtype) * spread
+        basis = GeneralizedRBFKernel.basis_points(
+            torch.randn(12, D, generator=generator, dtype=dtype) * spread,
+            torch.rand(12, D, generator=generator, dtype=dtype) + 0.5,
+        )
+        reference = _reference(data.double(), basis.double(), kernel.lengthscale.double()[0])
+        assert (reference < floor).float().mean() > 0.2  # many pairs are beyond the floor
+        for block in (kernel(data, basis).to_dense(), kernel(data.clone().requires_grad_(True), basis).to_dense()):
+            assert (block >= floor).all() and not ((block < torch.finfo(dtype).tiny) & (block != 0)).any()
+            kept = reference > 1e6 * floor
+            torch.testing.assert_close(block.double()[kept], reference[kept], rtol=tolerance, atol=0)
+        pairs = torch.cat([data[:12].double(), torch.zeros(12, D, dtype=torch.float64)], -1).to(dtype)
+        diagonal = kernel(pairs, basis, diag=True)
+        assert (diagonal >= floor).all()

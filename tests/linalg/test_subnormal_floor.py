@@ -9,8 +9,8 @@ import pytest
 import torch
 from gpytorch.kernels import MaternKernel, RBFKernel, ScaleKernel
 
-from gpytorch_decoupled.linalg import LeanKernel, kernel_matvec, kernel_quadratic_form
-from gpytorch_decoupled.linalg._kernel_tiles import KernelTiles, exponent_floor, scaled_inputs
+from gpytorch_decoupled.linalg import LeanKernel, exponent_floor, floored_exp, kernel_matvec, kernel_quadratic_form
+from gpytorch_decoupled.linalg._kernel_tiles import KernelTiles, scaled_inputs
 from tests.linalg.kernel_cases import oracle_block
 
 KERNELS = {
@@ -98,3 +98,16 @@ def test_the_floor_sits_below_the_smallest_normal_number_with_room_for_products(
         floor = exponent_floor(dtype)
         assert smallest < floor <= 0.8 * smallest + 1e-9
         assert floor - smallest > 20  # a value at the floor times factors down to 1e-6 stays normal
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_floored_exp_is_exp_above_the_floor_and_the_floor_below_it_without_a_gradient(dtype):
+    floor = exponent_floor(dtype) * math.log(2.0)
+    exponents = torch.tensor([0.0, -3.0, floor + 1.0, floor - 1.0, 10 * floor], dtype=dtype, requires_grad=True)
+    values = floored_exp(exponents)
+    torch.testing.assert_close(values[:3], exponents[:3].exp(), rtol=0, atol=0)
+    assert torch.equal(values[3:], torch.full((2,), floor, dtype=dtype).exp())
+    assert not _subnormal(values).any()
+    (gradient,) = torch.autograd.grad(values.sum(), exponents)
+    torch.testing.assert_close(gradient[:3], values[:3].detach(), rtol=0, atol=0)
+    assert torch.equal(gradient[3:], torch.zeros(2, dtype=dtype))
