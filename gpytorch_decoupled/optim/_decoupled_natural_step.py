@@ -250,7 +250,12 @@ def _kl_gradient_correction(
     total = sum(weights)
     residual = residual / total
     previous = state.get("kl_residual_gradient")
-    average = residual if previous is None else torch.lerp(_padded(previous, residual), residual, rate)
+    average = residual
+    if previous is not None:
+        # NaN marks no average yet (the lean training step creates the entry before its first step, as a graph's
+        # state must be): the first estimate is taken whole, as without an entry
+        previous = _padded(previous, residual)
+        average = torch.where(previous.isnan(), residual, torch.lerp(previous, residual, rate))
     new_state["kl_residual_gradient"] = average
     exact = _matvec(projection.mT, _matvec(projection, a)) + residual_variances * a  # K~ a
     return correction + total * (exact + average)

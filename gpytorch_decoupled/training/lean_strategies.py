@@ -46,6 +46,7 @@ class DecoupledTerms(NamedTuple):
     mean: Tensor  # the marginal means at x, (N,)
     variance: Tensor  # the marginal variances at x, (N,)
     kl: Tensor  # the KL divergence, ()
+    kl_rows: Tensor | None  # the rows of K_alpha of the KL's column-sampled quadratic form, or None (exact)
 
 
 class WhitenedQ(NamedTuple):
@@ -165,7 +166,11 @@ def _decoupled_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: 
     \mathbf R^{-1}\mathbf L_B^\top\mathbf K_{\beta\mathbf x}`, and the KL :math:`\tfrac12\mathbf a^\top\mathbf
     K_\alpha\mathbf a + \tfrac12[\log\lvert\mathbf H\rvert + \operatorname{tr}\mathbf H^{-1} - M_\beta]`, its
     quadratic form swept exactly over the tiles of the upper triangle (a mean basis of at most ``exact_kl_size``
-    points); the terms themselves are the statistics (:class:`DecoupledTerms`).
+    points) or, for a larger one, estimated without bias from this step's rows :math:`C` of :math:`\mathbf K_\alpha`
+    (``draws``, :math:`b` of them drawn uniformly by :func:`_decoupled_draws`) as
+    :math:`\tfrac{M_\alpha}{b}\mathbf a_C^\top\mathbf K_{C\alpha}\mathbf a`, whose values come out of the same
+    product as the data's, :math:`\mathbf K_{[C;\mathbf x]\alpha}\mathbf a`; the terms themselves are the statistics
+    (:class:`DecoupledTerms`).
     """
     beta, alpha = strategy.inducing_points, strategy.mean_inducing_points
     coefficients, factor = strategy._variational_distribution()
@@ -178,10 +183,17 @@ def _decoupled_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: 
         add_to_diagonal(inner, 1.0), jitter=strategy._jitter_val, name="DecoupledVariationalStrategy H"
     )
     reduction = solve_lower(chol.to(x.dtype), factor.mT @ kernel(beta, x))
-    mean = prior_mean(x) + kernel.matvec(x, alpha, coefficients)
+    if draws is None:
+        data_values = kernel.matvec(x, alpha, coefficients)
+        quadratic_form = kernel.quadratic_form(alpha, coefficients)
+    else:  # the drawn rows and the data in one product, as the strategy's own training pass computes them
+        values = kernel.matvec(torch.cat([alpha[draws], x], dim=-2), alpha, coefficients)
+        row_values, data_values = values.split([draws.numel(), x.size(-2)], dim=-1)
+        quadratic_form = alpha.size(-2) / draws.numel() * (coefficients[draws] * row_values).sum(-1)
+    mean = prior_mean(x) + data_values
     variance = kernel.diagonal(x) - reduction.pow(2).sum(-2)
-    kl = 0.5 * kernel.quadratic_form(alpha, coefficients) + whitened_kl(chol).to(x.dtype)
-    return mean, variance, kl, DecoupledTerms(x, mean, variance, kl)
+    kl = 0.5 * quadratic_form + whitened_kl(chol).to(x.dtype)
+    return mean, variance, kl, DecoupledTerms(x, mean, variance, kl, draws)
 
 
 def _dual_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
@@ -226,11 +238,7 @@ def _exact_mean_basis(strategy) -> str | None:
     """Why the training KL of the strategy's mean basis is not exact (the lean path computes only exact ones), or
     None."""
     basis = strategy.mean_basis
-    training = basis.training
-    basis.train()  # the question is about training steps
-    exact = basis.exact_quadratic_form()
-    basis.train(training)
-    if exact:
+    if basis.exact_in_training():
         return None
     return (
         f"the mean basis (M={basis.inducing_points.size(-2)}) is larger than exact_kl_size, so its training KL is an "
@@ -260,7 +268,17 @@ def _supports_residual_mean(strategy) -> str | None:
 def _supports_decoupled(strategy) -> str | None:
     if strategy.inducing_points.dim() != 2 or strategy._variational_distribution.precision_factor.dim() != 2:
         return "the inducing points or the variational parameters have a batch shape"
-    return _exact_mean_basis(strategy)
+    basis = strategy.mean_basis
+    if basis.importance_sampling:
+        return "a mean basis whose KL rows are drawn by |a| (importance_sampling)"
+    return None
+
+
+def _decoupled_draws(strategy) -> Tensor | None:
+    """This step's rows of the decoupled strategy's column-sampled KL (None where it is exact), drawn by the mean
+    basis as its training pass draws them (the same generator calls)."""
+    drawn = strategy.mean_basis.draw_rows(strategy._variational_distribution.mean_coefficients)
+    return None if drawn is None else drawn[0]
 
 
 def _supports_dual(strategy) -> str | None:
@@ -277,5 +295,5 @@ STRATEGY_TERMS: dict[type, tuple[Callable, Callable, Callable]] = {
     OrthogonallyDecoupledVariationalStrategy: (_supports_residual_mean, lambda strategy: None, _residual_mean_terms),
     HybridVariationalStrategy: (_supports_residual_mean, lambda strategy: None, _residual_mean_terms),
     DualVariationalStrategy: (_supports_dual, lambda strategy: None, _dual_terms),
-    DecoupledVariationalStrategy: (_supports_decoupled, lambda strategy: None, _decoupled_terms),
+    DecoupledVariationalStrategy: (_supports_decoupled, _decoupled_draws, _decoupled_terms),
 }

@@ -151,11 +151,13 @@ class TrainingStep:
                 loss, [*self.parameters, *terms], allow_unused=True
             )
             # what DecoupledVariationalStrategy's hooks record of an eager backward pass
+            kl_rows = statistics.kl_rows  # the rows of a column-sampled KL, with its weight
             curvature = DecoupledCurvature(
                 inputs=statistics.inputs.detach(),
                 variance_weights=2 * variance_gradient,
                 mean_weights=mean_gradient.pow(2) * mean_gradient.size(-1),
                 kl_weight=kl_weight,
+                kl_samples=() if kl_rows is None else ((kl_rows, kl_weight),),
             )
         else:
             gradients = torch.autograd.grad(loss, self.parameters, allow_unused=True)

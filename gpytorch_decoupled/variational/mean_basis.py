@@ -238,12 +238,15 @@ class MeanBasis(Module):
         return self.values_and_prior([x], coefficients, **kwargs)[0]
 
     def exact_quadratic_form(self) -> bool:
-        """Whether the quadratic form is computed exactly now: in eval mode, with ``num_kl_columns=None``, or for a
-        basis of at most ``exact_kl_size`` points (or no more points than rows to sample without replacement)."""
+        """Whether the quadratic form is computed exactly now: in eval mode, or as :meth:`exact_in_training` says."""
+        return not self.training or self.exact_in_training()
+
+    def exact_in_training(self) -> bool:
+        """Whether a training step computes the quadratic form exactly: with ``num_kl_columns=None``, or for a basis
+        of at most ``exact_kl_size`` points (or no more points than rows to sample without replacement)."""
         num_points = self.inducing_points.size(-2)
         return (
-            not self.training
-            or self.num_kl_columns is None
+            self.num_kl_columns is None
             or (num_points <= self.exact_kl_size and self.has_fused_sweep())
             or (not self.importance_sampling and self.num_kl_columns >= num_points)
         )

@@ -29,6 +29,7 @@ FAMILIES = {
     "orthnat-mean-basis-adam": {"strategy": "odvgp", "distribution": "fast_natural", "mean_rule": "mean-basis-adam"},
     "decoupled": {"strategy": "decoupled", "distribution": "decoupled"},
     "decoupled-jacobi": {"strategy": "decoupled", "distribution": "decoupled", "jacobi": True},
+    "decoupled-sampled-kl": {"strategy": "decoupled", "distribution": "decoupled", "sampled_kl": True},
 }
 
 
@@ -111,7 +112,7 @@ def test_learning_rate_schedulers_do_not_recompile(family, recwarn):
         torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("family", ["orthnat", "tsvgp", "decoupled"])
+@pytest.mark.parametrize("family", ["orthnat", "tsvgp", "decoupled", "decoupled-sampled-kl"])
 def test_one_compilation_serves_every_batch_size(family):
     # a loader's smaller last batch (drop_last=False) takes the graph of the first compilation: the batch size is a
     # dynamic dimension from the start

@@ -69,11 +69,31 @@ def test_decoupled_matches_general_path(kernel, jacobi):
     assert terms.inputs is x
 
 
-def test_decoupled_sampled_kl_is_named():
-    # A mean basis above exact_kl_size has a sampled training KL: not on the lean path (yet), and the reason says so.
-    model, likelihood, mll, x, y = make_case(strategy="decoupled", distribution="decoupled")
-    model.variational_strategy.mean_basis.exact_kl_size = 10
-    assert "exact_kl_size" in LeanELBO.unsupported(mll)
+@pytest.mark.parametrize("kernel", ["rbf_ard", "matern12"])
+def test_decoupled_with_a_sampled_kl_matches_general_path(kernel):
+    # A mean basis above exact_kl_size (and Matern 1/2, which has no fused sweep, at any size): the KL's quadratic form
+    # is estimated from 5 drawn rows of 20; with the same draws (the basis's own generator), the same loss, gradients
+    # and terms, and the drawn rows are the terms' (for MeanBasisAdam's curvature step).
+    options = {"strategy": "decoupled", "distribution": "decoupled", "kernel": kernel, "sampled_kl": True}
+    model, likelihood, mll, x, y = make_case(**options)
+    lean = LeanELBO.of(mll)
+    assert lean is not None, LeanELBO.unsupported(mll)
+    basis = model.variational_strategy.mean_basis
+    parameters = [*model.parameters(), *likelihood.parameters()]
+
+    def seeded(loss):
+        def call():
+            basis.generator = torch.Generator().manual_seed(7)
+            return loss()
+
+        return call
+
+    _assert_same(seeded(lambda: lean(x, y, lean.draws())), seeded(lambda: -mll(model(x), y)), parameters)
+    basis.generator = torch.Generator().manual_seed(7)
+    _, terms = lean.loss_and_statistics(x, y, lean.draws())
+    basis.generator = torch.Generator().manual_seed(7)
+    model(x)
+    assert torch.equal(terms.kl_rows, basis.sampled_indices) and terms.kl_rows.numel() == 5
 
 
 @pytest.mark.parametrize("kernel", ["rbf_ard", "matern52"])

@@ -33,6 +33,7 @@ class CaseModel(gpytorch.models.ApproximateGP):
         mean="constant",
         gamma=None,
         jacobi=False,
+        sampled_kl=False,
     ):
         q = (
             FastNaturalVariationalDistribution(z.size(0))
@@ -43,8 +44,9 @@ class CaseModel(gpytorch.models.ApproximateGP):
             variational_strategy = DualVariationalStrategy(self, z, DualVariationalDistribution(z.size(0)))
         elif strategy == "decoupled":  # its own parameters (a, L_B): the mean basis is gamma
             q = DecoupledVariationalDistribution(gamma.size(0), z.size(0))
+            exact_kl_size = 10 if sampled_kl else 4096  # sampled: 5 of the 20 rows of K_alpha per step
             variational_strategy = DecoupledVariationalStrategy(
-                self, z, q, gamma, num_kl_columns=5, jacobi_preconditioning=jacobi
+                self, z, q, gamma, num_kl_columns=5, jacobi_preconditioning=jacobi, exact_kl_size=exact_kl_size
             )
         elif strategy == "svgp":
             variational_strategy = gpytorch.variational.VariationalStrategy(self, z, q)
