@@ -445,3 +445,21 @@ def test_a_float32_models_step_follows_the_float64_step_to_its_rounding(num_kl_c
     for single, double in zip(runs[torch.float32], runs[F64], strict=True):
         assert single.dtype == torch.float32
         torch.testing.assert_close(single.double(), double, rtol=1e-5, atol=1e-6)
+
+
+def test_a_nan_average_of_the_sampled_kl_gradient_reads_as_none_yet() -> None:
+    # The lean training step creates the running average of the sampled KL's gradient before its first step, as NaN:
+    # eager steps read it as no average (the first estimate taken whole), so both paths step alike from either state.
+    runs = []
+    for prefilled in (False, True):
+        model, likelihood, alpha, beta, X, y = _decoupled_problem(num_kl_columns=4, exact_kl_size=0)
+        model.variational_strategy.mean_basis.generator = torch.Generator().manual_seed(0)
+        optimizer = MeanBasisAdam(model)
+        coefficients = model.variational_strategy.mean_basis.coefficients
+        if prefilled:
+            optimizer.state[coefficients]["kl_residual_gradient"] = torch.full_like(coefficients, float("nan"))
+        _elbo_steps(model, likelihood, X, y, optimizer, 3)
+        assert torch.isfinite(optimizer.state[coefficients]["kl_residual_gradient"]).all()
+        runs.append(_process(model))
+    for value, expected in zip(*runs, strict=True):
+        assert torch.equal(value, expected)
