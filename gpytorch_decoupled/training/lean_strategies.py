@@ -22,7 +22,7 @@ import torch
 from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
 from torch import Tensor
 
-from ..linalg import LeanKernel, add_to_diagonal, jittered_cholesky, kernel_keep_size, solve_lower, whitened_kl
+from ..linalg import LeanKernel, add_to_diagonal, jittered_cholesky, solve_lower, whitened_kl
 from ..variational import (
     DecoupledVariationalStrategy,
     DualSiteStatistics,
@@ -252,17 +252,9 @@ def _supports_residual_mean(strategy) -> str | None:
     if not supports_whitened_q(strategy._variational_distribution):
         name = type(strategy._variational_distribution).__name__
         return f"{name} (supported: FastNaturalVariationalDistribution, CholeskyVariationalDistribution)"
-    reason = _exact_mean_basis(strategy)
-    if reason is not None:
-        return reason
-    size = strategy.mean_basis.inducing_points.size(-2)
-    # The lean path forms the block of the rows beta (and the batch) by the basis densely; the KL is swept in tiles.
-    if (size + strategy.inducing_points.size(-2)) * size > kernel_keep_size.value():
-        return (
-            f"the mean basis (M={size}) is larger than the lean path forms as one kernel block (its rows beta and the "
-            "batch by the basis, within kernel_keep_size); the general path's tiled products keep memory bounded"
-        )
-    return None
+    # Run eagerly, the lean path sweeps its products in tiles as the general path does; compiled, it forms the block
+    # of beta and the batch by the basis densely, (M_beta + B) x M_gamma entries with M_gamma at most exact_kl_size.
+    return _exact_mean_basis(strategy)
 
 
 def _supports_decoupled(strategy) -> str | None:

@@ -69,6 +69,22 @@ def test_decoupled_matches_general_path(kernel, jacobi):
     assert terms.inputs is x
 
 
+@pytest.mark.parametrize("strategy", ["odvgp", "hybrid"])
+def test_a_mean_basis_above_the_kernel_keep_size_stays_on_the_lean_path(strategy):
+    # The lean path's products are swept in tiles (kept for the backward pass up to kernel_keep_size, evaluated again
+    # beyond it), as the general path's: a basis whose blocks exceed the keep size (here 100 entries) is not a reason
+    # to fall back, and the loss and gradients are the general path's.
+    from gpytorch_decoupled.linalg import kernel_keep_size
+
+    model, likelihood, mll, x, y = make_case(strategy=strategy)
+    with kernel_keep_size(100):
+        assert LeanELBO.unsupported(mll) is None
+        lean = LeanELBO.of(mll)
+        _assert_same(
+            lambda: lean(x, y, None), lambda: -mll(model(x), y), [*model.parameters(), *likelihood.parameters()]
+        )
+
+
 @pytest.mark.parametrize("kernel", ["rbf_ard", "matern12"])
 def test_decoupled_with_a_sampled_kl_matches_general_path(kernel):
     # A mean basis above exact_kl_size (and Matern 1/2, which has no fused sweep, at any size): the KL's quadratic form
