@@ -166,9 +166,8 @@ def _decoupled_update(
         state["mean_precision"] = torch.zeros(*batch, size, size, dtype=f64, device=device)
         state["residual_curvature"] = torch.zeros(parameter.shape, dtype=f64, device=device)
         state["step_size"] = torch.zeros(batch, dtype=f64, device=device)
-    if (
-        not strategy.mean_basis.exact_in_training() and "kl_residual_gradient" not in state
-    ):  # NaN: no average of the sampled KL's gradient yet
+    sampled_kl = not strategy.mean_basis.exact_in_training()
+    if sampled_kl and "kl_residual_gradient" not in state:  # NaN: no average of the sampled KL's gradient yet
         state["kl_residual_gradient"] = torch.full_like(parameter, float("nan"), dtype=torch.float64)
     prior_blocks = functools.partial(JointPrior.of_kernel, kernel)
 
