@@ -23,8 +23,8 @@ One process, one thread (``--threads``), float32, kin40k split 0 by default, min
 OrthNat at :math:`M_\\gamma = 1000` and Decoupled also run a second time through the package's training step
 (:class:`~gpytorch_decoupled.training.TrainingStep` with ``compile=False``, ``orthnat-lean`` and ``decoupled-lean``;
 ``--no-lean`` leaves them out): the same updates on plain tensors, no compilation. Their ratios to the same eager
-GPyTorch SVGP step carry the same goals, reported beside the eager ones. (The lean step does not take the sampled KL
-of a basis above ``exact_kl_size``, so the :math:`10^5` basis runs eagerly only.)
+GPyTorch SVGP step carry the same goals, reported beside the eager ones. (The :math:`10^5` basis runs eagerly
+only: the goal is the eager step's.)
 
 With ``--device cuda`` the step times are wall-clock (the GPU synchronized around each step), the kernel block (a
 measure of this CPU's ``exp``) is not measured, and the results go to ``decoupled-step-cuda.json``.

@@ -7,10 +7,11 @@ matched and keeps the general path.
 
 Every function takes the strategy, the :class:`~gpytorch_decoupled.linalg.LeanKernel` and prior mean of its model,
 the inputs and this step's random draws (made eagerly, before the compiled region, by the second function of its
-entry in :data:`STRATEGY_TERMS`, from the same generator calls as the strategy's own training pass; none for the
-strategies here), and returns ``(mean, variance, kl, statistics)``: ``statistics`` is what an update of the step
-needs of the forward pass besides the loss (t-SVGP's E-step: :class:`~gpytorch_decoupled.variational.
-DualSiteStatistics`; the decoupled strategy's curvature step: :class:`DecoupledTerms`), or None.
+entry in :data:`STRATEGY_TERMS`, from the same generator calls as the strategy's own training pass: the rows of an
+estimated KL of a mean basis, or None), and returns ``(mean, variance, kl, statistics)``: ``statistics`` is what an
+update of the step needs of the forward pass besides the loss (t-SVGP's E-step:
+:class:`~gpytorch_decoupled.variational.DualSiteStatistics`; the decoupled strategy's curvature step:
+:class:`DecoupledTerms`), or None.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import torch
 from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
 from torch import Tensor
 
-from ..linalg import LeanKernel, add_to_diagonal, jittered_cholesky, solve_lower, whitened_kl
+from ..linalg import (
+    LeanKernel,
+    add_to_diagonal,
+    jittered_cholesky,
+    landmark_controlled_estimate,
+    solve_lower,
+    whitened_kl,
+)
 from ..variational import (
     DecoupledVariationalStrategy,
     DualSiteStatistics,
@@ -128,33 +136,107 @@ def _svgp_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tenso
     return mean, variance, q.kl(), None
 
 
-def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
+def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: tuple | None):
     r"""
     The hybrid and orthogonally decoupled strategies: the whitened SVGP block on :math:`\beta` plus the mean basis
-    :math:`\mathbf K_{\cdot\gamma}\mathbf a_\gamma` at :math:`[\beta; \mathbf x]` from one kernel block, the residual
-    coordinates :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma` and the exact
-    :math:`\mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma` (Salimbeni et al. 2018, eqs. 11-12, App. A), swept in
-    tiles as the general path does (:meth:`~gpytorch_decoupled.linalg.LeanKernel.quadratic_form`): the training KL
-    of a mean basis of at most ``exact_kl_size`` points (larger bases, whose KL is a control-variate estimate, keep
-    the general path).
+    :math:`\mathbf K_{\cdot\gamma}\mathbf a_\gamma` at :math:`[\beta; \mathbf x]` from one kernel product, the
+    residual coordinates :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a_\gamma` and
+    :math:`\mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma` (Salimbeni et al. 2018, eqs. 11-12, App. A): exact
+    for a mean basis of at most ``exact_kl_size`` points, swept in tiles as the general path does
+    (:meth:`~gpytorch_decoupled.linalg.LeanKernel.quadratic_form`); for a larger one, the strategy's own estimate from
+    this step's drawn rows :math:`C` (``draws``: indices and probabilities, from :func:`_residual_mean_draws`), their
+    values in the same product as :math:`[\beta; \mathbf x]`'s: with the control variate, :math:`\beta` and the batch
+    as landmarks (:func:`_landmark_residual`), else the column-sampled estimate.
     """
     basis = strategy.mean_basis
     gamma, coefficients = basis.inducing_points, basis.coefficients
     beta = strategy.inducing_points
-    values = kernel.matvec(torch.cat([beta, x], dim=-2), gamma, coefficients)
-    beta_values, data_values = values.split([beta.size(-2), x.size(-2)], dim=-1)
-    quadratic_form = kernel.quadratic_form(gamma, coefficients)
+    drawn = None if draws is None else gamma[draws[0]]
+    rows = [beta, x] if drawn is None else [beta, drawn, x]
+    stacked = torch.cat(rows, dim=-2)
+    values = kernel.matvec(stacked, gamma, coefficients)
+    beta_values, *row_values, data_values = values.split([row.size(-2) for row in rows], dim=-1)
     factor, interp, variance, q = _whitened_block(strategy, kernel, x)
     coordinates = torch.linalg.solve_triangular(factor, beta_values.unsqueeze(-1), upper=False).squeeze(-1)
     kl = q.kl()
-    if type(strategy) is OrthogonallyDecoupledVariationalStrategy:
-        block_mean = q.mean - coordinates
-        kl = kl + 0.5 * (quadratic_form - coordinates.pow(2).sum(-1))
+    if draws is None:
+        quadratic_form = kernel.quadratic_form(gamma, coefficients)
+        if type(strategy) is OrthogonallyDecoupledVariationalStrategy:
+            kl = kl + 0.5 * (quadratic_form - coordinates.pow(2).sum(-1))
+        else:
+            kl = kl + (q.mean * coordinates).sum(-1) + 0.5 * quadratic_form
     else:
-        block_mean = q.mean
-        kl = kl + (q.mean * coordinates).sum(-1) + 0.5 * quadratic_form
+        indices, probabilities = draws
+        if basis.importance_sampling:  # R, a^T K a - ||c||^2, with beta and the batch as landmarks
+            residual = _landmark_residual(
+                strategy, kernel, stacked, indices, probabilities, row_values[0], beta_values, data_values, coordinates
+            )
+            quadratic_form = coordinates.pow(2).sum(-1) + residual
+        else:  # the column-sampled estimate of a^T K a
+            scale = gamma.size(-2) / indices.numel()
+            quadratic_form = scale * (coefficients[..., indices] * row_values[0]).sum(-1)
+            residual = quadratic_form - coordinates.pow(2).sum(-1)
+        if type(strategy) is OrthogonallyDecoupledVariationalStrategy:
+            kl = kl + 0.5 * residual
+        else:
+            kl = kl + (q.mean * coordinates).sum(-1) + 0.5 * quadratic_form
+    block_mean = q.mean - coordinates if type(strategy) is OrthogonallyDecoupledVariationalStrategy else q.mean
     mean = prior_mean(x) + interp.mT @ block_mean + data_values
     return mean, variance, kl, None
+
+
+def _landmark_residual(
+    strategy,
+    kernel: LeanKernel,
+    stacked: Tensor,
+    indices: Tensor,
+    probabilities: Tensor,
+    row_values: Tensor,
+    beta_values: Tensor,
+    data_values: Tensor,
+    coordinates: Tensor,
+) -> Tensor:
+    r"""The orthogonal and hybrid strategies' estimate of :math:`R = \mathbf a_\gamma^\top\mathbf K_\gamma
+    \mathbf a_\gamma - \lVert\mathbf c\rVert^2` from the drawn rows :math:`C` with the landmarks :math:`\mathbf Z =
+    [\beta; \mathbf x]`, as their training pass computes it: :math:`\lVert\mathbf c_{\mathbf Z}\rVert^2 -
+    \lVert\mathbf c\rVert^2 + \widehat R_{\mathbf Z}` (:func:`~gpytorch_decoupled.linalg.landmark_controlled_estimate`)
+    from one kernel block of ``stacked`` :math:`= [\beta; C; \mathbf x]` with itself, the small algebra in float64
+    with :math:`\mathbf K_{\mathbf Z}`'s factor held constant."""
+    num_beta, num_drawn = beta_values.size(-1), indices.numel()
+    small = kernel(stacked, stacked)
+    landmarks = torch.cat(
+        [
+            torch.arange(num_beta, device=small.device),
+            torch.arange(num_beta + num_drawn, small.size(-1), device=small.device),
+        ]
+    )
+    landmark_rows = small.index_select(-2, landmarks)
+    landmark_factor = jittered_cholesky(
+        landmark_rows.index_select(-1, landmarks).detach().double(),
+        jitter=strategy.jitter_val,
+        name="kernel matrix of the covariance basis and data",
+    )
+    landmark_values = torch.cat([beta_values, data_values], -1).double().unsqueeze(-1)
+    landmark_coordinates = solve_lower(landmark_factor, landmark_values).squeeze(-1)
+    coefficients = strategy.mean_basis.coefficients
+    sampled_part = landmark_controlled_estimate(
+        coefficients[..., indices].double(),
+        row_values.double(),
+        small[..., num_beta : num_beta + num_drawn, :].index_select(-1, landmarks).double(),
+        landmark_coordinates,
+        landmark_factor,
+        probabilities,
+    )
+    landmark_part = landmark_coordinates.pow(2).sum(-1) - coordinates.double().pow(2).sum(-1)
+    return (landmark_part + sampled_part).type(coefficients.dtype)
+
+
+def _residual_mean_draws(strategy) -> tuple[Tensor, Tensor | None] | None:
+    """This step's rows of the orthogonal or hybrid strategy's estimated KL and their probabilities (None for the
+    uniform draw; None instead of both where the KL is exact), drawn by the mean basis as its training pass draws them
+    (the same generator calls)."""
+    basis = strategy.mean_basis
+    return basis.draw_rows(basis.coefficients)
 
 
 def _decoupled_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
@@ -234,18 +316,6 @@ def _supports_svgp(strategy) -> str | None:
     return None
 
 
-def _exact_mean_basis(strategy) -> str | None:
-    """Why the training KL of the strategy's mean basis is not exact (the lean path computes only exact ones), or
-    None."""
-    basis = strategy.mean_basis
-    if basis.exact_in_training():
-        return None
-    return (
-        f"the mean basis (M={basis.inducing_points.size(-2)}) is larger than exact_kl_size, so its training KL is an "
-        "estimate from sampled rows (not on the lean path yet)"
-    )
-
-
 def _supports_residual_mean(strategy) -> str | None:
     if strategy.inducing_points.dim() != 2:
         return "the inducing points have a batch shape"
@@ -253,8 +323,11 @@ def _supports_residual_mean(strategy) -> str | None:
         name = type(strategy._variational_distribution).__name__
         return f"{name} (supported: FastNaturalVariationalDistribution, CholeskyVariationalDistribution)"
     # Run eagerly, the lean path sweeps its products in tiles as the general path does; compiled, it forms the block
-    # of beta and the batch by the basis densely, (M_beta + B) x M_gamma entries with M_gamma at most exact_kl_size.
-    return _exact_mean_basis(strategy)
+    # of beta, the drawn rows and the batch by the basis densely.
+    basis = strategy.mean_basis
+    if basis.importance_sampling and not strategy.kl_data_landmarks and not basis.exact_in_training():
+        return "a control-variate KL estimate with beta alone as landmarks (kl_data_landmarks=False)"
+    return None
 
 
 def _supports_decoupled(strategy) -> str | None:
@@ -284,8 +357,8 @@ def _supports_dual(strategy) -> str | None:
 # strategy type -> (why it is unsupported or None, the step's random draws, the terms)
 STRATEGY_TERMS: dict[type, tuple[Callable, Callable, Callable]] = {
     VariationalStrategy: (_supports_svgp, lambda strategy: None, _svgp_terms),
-    OrthogonallyDecoupledVariationalStrategy: (_supports_residual_mean, lambda strategy: None, _residual_mean_terms),
-    HybridVariationalStrategy: (_supports_residual_mean, lambda strategy: None, _residual_mean_terms),
+    OrthogonallyDecoupledVariationalStrategy: (_supports_residual_mean, _residual_mean_draws, _residual_mean_terms),
+    HybridVariationalStrategy: (_supports_residual_mean, _residual_mean_draws, _residual_mean_terms),
     DualVariationalStrategy: (_supports_dual, lambda strategy: None, _dual_terms),
     DecoupledVariationalStrategy: (_supports_decoupled, _decoupled_draws, _decoupled_terms),
 }

@@ -30,6 +30,8 @@ FAMILIES = {
     "decoupled": {"strategy": "decoupled", "distribution": "decoupled"},
     "decoupled-jacobi": {"strategy": "decoupled", "distribution": "decoupled", "jacobi": True},
     "decoupled-sampled-kl": {"strategy": "decoupled", "distribution": "decoupled", "sampled_kl": True},
+    "orthnat-sampled-kl": {"strategy": "odvgp", "distribution": "fast_natural", "sampled_kl": True},
+    "hybrid-sampled-kl": {"strategy": "hybrid", "distribution": "cholesky", "sampled_kl": True},
 }
 
 

@@ -70,6 +70,35 @@ def test_decoupled_matches_general_path(kernel, jacobi):
 
 
 @pytest.mark.parametrize("strategy", ["odvgp", "hybrid"])
+@pytest.mark.parametrize("control_variate", [True, False], ids=["landmarks", "uniform"])
+def test_orthogonal_and_hybrid_with_a_sampled_kl_match_general_path(strategy, control_variate):
+    # A mean basis above exact_kl_size: the KL from 5 rows of 20 drawn by |a_gamma| with beta and the batch as
+    # landmarks (the default), or drawn uniformly; with the same draws (the basis's own generator), the same loss and
+    # gradients.
+    model, likelihood, mll, x, y = make_case(strategy=strategy, sampled_kl=True)
+    basis = model.variational_strategy.mean_basis
+    basis.importance_sampling = control_variate
+    lean = LeanELBO.of(mll)
+    assert lean is not None, LeanELBO.unsupported(mll)
+
+    def seeded(loss):
+        def call():
+            basis.generator = torch.Generator().manual_seed(7)
+            return loss()
+
+        return call
+
+    parameters = [*model.parameters(), *likelihood.parameters()]
+    _assert_same(seeded(lambda: lean(x, y, lean.draws())), seeded(lambda: -mll(model(x), y)), parameters)
+
+
+def test_a_control_variate_with_beta_alone_as_landmarks_is_named():
+    model, likelihood, mll, x, y = make_case(strategy="odvgp", sampled_kl=True)
+    model.variational_strategy.kl_data_landmarks = False
+    assert "kl_data_landmarks=False" in LeanELBO.unsupported(mll)
+
+
+@pytest.mark.parametrize("strategy", ["odvgp", "hybrid"])
 def test_a_mean_basis_above_the_kernel_keep_size_stays_on_the_lean_path(strategy):
     # The lean path's products are swept in tiles (kept for the backward pass up to kernel_keep_size, evaluated again
     # beyond it), as the general path's: a basis whose blocks exceed the keep size (here 100 entries) is not a reason

@@ -52,7 +52,8 @@ class CaseModel(gpytorch.models.ApproximateGP):
             variational_strategy = gpytorch.variational.VariationalStrategy(self, z, q)
         else:
             cls = OrthogonallyDecoupledVariationalStrategy if strategy == "odvgp" else HybridVariationalStrategy
-            variational_strategy = cls(self, z, q, gamma, num_kl_columns=5)
+            exact_kl_size = 10 if sampled_kl else 4096  # sampled: 5 of the 20 rows of K_gamma per step, by |a_gamma|
+            variational_strategy = cls(self, z, q, gamma, num_kl_columns=5, exact_kl_size=exact_kl_size)
         super().__init__(variational_strategy)
         self.mean_module = gpytorch.means.ConstantMean() if mean == "constant" else gpytorch.means.ZeroMean()
         dims = z.size(-1)
