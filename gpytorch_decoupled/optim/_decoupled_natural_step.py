@@ -23,7 +23,7 @@ def decoupled_natural_step(
     strategy: DecoupledVariationalStrategy,
     curvature: DecoupledCurvature,
     gradient: Tensor,
-    lr: float,
+    lr: float | Tensor,
     covariance_lr: float,
     damping: float,
     state: dict[str, Tensor],

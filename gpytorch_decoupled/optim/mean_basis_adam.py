@@ -1,11 +1,9 @@
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
-from ..variational import DecoupledCurvature, DecoupledVariationalStrategy, JointPrior, MeanBasis, joint_prior
+from ..variational import DecoupledVariationalStrategy, MeanBasis, joint_prior
 from ._decoupled_natural_step import decoupled_natural_step
 
 #: The default ``lr``: Adam's rate in function space, and the decoupled strategy's Gauss-Newton step size.
@@ -240,37 +238,9 @@ class MeanBasisAdam(torch.optim.Adam):
             if isinstance(strategy, DecoupledVariationalStrategy)
         ]
 
-    @staticmethod
-    def decoupled_step(
-        strategy: DecoupledVariationalStrategy,
-        curvature: DecoupledCurvature,
-        gradient: Tensor,
-        lr: float | Tensor,
-        covariance_lr: float,
-        damping: float,
-        state: dict[str, Tensor],
-        prior_blocks: Callable[..., JointPrior] | None = None,
-    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        r"""
-        The decoupled strategy's step as a function, computed without changing anything: what :meth:`step` applies to
-        a :class:`~gpytorch_decoupled.variational.DecoupledVariationalStrategy`, and the lean training step
-        (:class:`~gpytorch_decoupled.training.TrainingStep`) to the curvature from its own gradient computation. The
-        mathematics is in :ref:`derivations-decoupled-step` and in the class's description.
-
-        :param strategy: The decoupled strategy.
-        :param curvature: The derivatives of the loss that it recorded.
-        :param gradient: The loss's gradient by the raw ``mean_coefficients``.
-        :param lr: The Gauss-Newton step's size (the group's ``lr``).
-        :param covariance_lr: The group's ``covariance_lr``.
-        :param damping: The group's ``damping``.
-        :param state: The group's state: its entries ``step``, ``mean_precision``, ``residual_curvature`` and
-            ``kl_residual_gradient`` in ``optimizer.state`` (none at the first step).
-        :param prior_blocks: The prior's blocks at stacked input sets (default: ``joint_prior`` of the strategy's
-            model; the lean training step passes :meth:`~gpytorch_decoupled.variational.JointPrior.of_kernel` of its
-            lean kernel).
-        :return: The new raw ``mean_coefficients`` and ``precision_factor`` and the new state.
-        """
-        return decoupled_natural_step(strategy, curvature, gradient, lr, covariance_lr, damping, state, prior_blocks)
+    # The decoupled strategy's step as a function, computed without changing anything: what step() applies, and what
+    # the lean training step applies to the curvature from its own gradient computation (documented by the function).
+    decoupled_step = staticmethod(decoupled_natural_step)
 
     def _natural_step(self, group: dict, strategy: DecoupledVariationalStrategy) -> tuple | None:
         """The new raw ``(mean_coefficients, precision_factor)`` of a decoupled strategy and its new state, or None
