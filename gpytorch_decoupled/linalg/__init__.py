@@ -13,6 +13,8 @@ from .kernel_matvec import kernel_matvec
 from .kernel_quadratic_form import kernel_quadratic_form
 from .landmark_quadratic_form import (
     coefficient_proportional_rows,
+    data_landmark_residual,
+    landmark_blocks,
     landmark_controlled_estimate,
     landmark_quadratic_form,
 )
@@ -43,6 +45,7 @@ __all__ = [
     "coefficient_proportional_rows",
     "column_sampled_quadratic_form",
     "congruence",
+    "data_landmark_residual",
     "exponent_floor",
     "floored_exp",
     "identity_like",
@@ -52,6 +55,7 @@ __all__ = [
     "kernel_matvec",
     "kernel_quadratic_form",
     "kernel_tile_size",
+    "landmark_blocks",
     "landmark_controlled_estimate",
     "landmark_quadratic_form",
     "positive_part_root",

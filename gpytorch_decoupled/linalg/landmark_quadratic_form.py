@@ -158,6 +158,77 @@ def landmark_controlled_estimate(
     return terms.mean(-1)
 
 
+def data_landmark_residual(
+    drawn_coefficients: Tensor,  # shape: (*batch, b)
+    row_products: Tensor,  # shape: (*batch, b)
+    row_block: Tensor,  # shape: (*batch, b, L)
+    landmark_values: Tensor,  # shape: (*batch, L)
+    landmark_covariance: Tensor,  # shape: (*batch, L, L)
+    coordinates: Tensor,  # shape: (*batch, M_beta)
+    probabilities: Tensor,  # shape: (b,)
+    jitter: float | None = None,
+) -> Tensor:  # shape: (*batch)
+    r"""
+    The estimate of :math:`R = \mathbf a^\top\mathbf K_\gamma\mathbf a - \lVert\mathbf c\rVert^2` from drawn rows
+    :math:`C` with landmarks :math:`\mathbf Z` (the covariance basis :math:`\beta` and a training step's data), whose
+    products :math:`\mathbf K_{\mathbf Z\gamma}\mathbf a` (``landmark_values``) a step computes anyway: with
+    :math:`\mathbf c_{\mathbf Z} = \mathbf L_{\mathbf Z}^{-1}\mathbf K_{\mathbf Z\gamma}\mathbf a`,
+    :math:`Q = \lVert\mathbf c_{\mathbf Z}\rVert^2 + R_{\mathbf Z}` for any factor :math:`\mathbf L_{\mathbf Z}`
+    (:func:`landmark_quadratic_form`), so
+
+    .. math::
+
+        \widehat R = \lVert\mathbf c_{\mathbf Z}\rVert^2 - \lVert\mathbf c\rVert^2 + \widehat R_{\mathbf Z},
+        \qquad \mathbb E\,\widehat R = R,
+
+    and :math:`R_{\mathbf Z} \leq R` leaves less to sample (:ref:`derivations-landmark-kl`). The small algebra runs in
+    float64 with ``jitter`` (the data may repeat points of :math:`\beta`), so that :math:`\mathbf a^\top\mathbf h =
+    \lVert\mathbf c_{\mathbf Z}\rVert^2` holds to rounding; :math:`\mathbf L_{\mathbf Z}` is held constant under
+    differentiation (:math:`\mathbb E\,\widehat R` does not depend on it: its gradient would add only zero-mean
+    noise, at the cost of differentiating the factorization).
+
+    :param drawn_coefficients: :math:`a_{i_k}` of the drawn rows.
+    :param row_products: :math:`[\mathbf K_\gamma\mathbf a]_{i_k}`.
+    :param row_block: :math:`\mathbf K_{C\mathbf Z}`, dense.
+    :param landmark_values: :math:`\mathbf K_{\mathbf Z\gamma}\mathbf a`.
+    :param landmark_covariance: :math:`\mathbf K_{\mathbf Z}`, dense.
+    :param coordinates: :math:`\mathbf c = \mathbf L_\beta^{-1}\mathbf K_{\beta\gamma}\mathbf a`.
+    :param probabilities: :math:`p_{i_k}` (:func:`row_probabilities`), held constant.
+    :param jitter: Initial jitter of :math:`\mathbf K_{\mathbf Z}`'s factorization (escalating where needed).
+    :return: :math:`\widehat R`, in the dtype of ``drawn_coefficients``.
+    """
+    factor = jittered_cholesky(
+        landmark_covariance.detach().double(), jitter=jitter, name="kernel matrix of the covariance basis and data"
+    )
+    landmark_coordinates = solve_lower(factor, landmark_values.double().unsqueeze(-1)).squeeze(-1)
+    sampled_part = landmark_controlled_estimate(
+        drawn_coefficients.double(),
+        row_products.double(),
+        row_block.double(),
+        landmark_coordinates,
+        factor,
+        probabilities,
+    )
+    landmark_part = landmark_coordinates.pow(2).sum(-1) - coordinates.double().pow(2).sum(-1)
+    return (landmark_part + sampled_part).type(drawn_coefficients.dtype)
+
+
+def landmark_blocks(block: Tensor, num_beta: int, num_drawn: int) -> tuple[Tensor, Tensor]:
+    r""":math:`\mathbf K_{\mathbf Z}` and :math:`\mathbf K_{C\mathbf Z}` (landmarks :math:`\mathbf Z = [\beta;
+    \mathbf x]`) sliced from one kernel block of :math:`[\beta; C; \mathbf x]` with itself (``num_beta`` and
+    ``num_drawn`` rows of :math:`\beta` and :math:`C`): every block evaluated separately would cost a gradient as large
+    as all its inputs in the backward pass."""
+    landmarks = torch.cat(
+        [
+            torch.arange(num_beta, device=block.device),
+            torch.arange(num_beta + num_drawn, block.size(-1), device=block.device),
+        ]
+    )
+    landmark_covariance = block.index_select(-2, landmarks).index_select(-1, landmarks)
+    row_block = block[..., num_beta : num_beta + num_drawn, :].index_select(-1, landmarks)
+    return landmark_covariance, row_block
+
+
 def row_probabilities(coefficients: Tensor) -> Tensor:  # shape: (M,)
     r"""
     :math:`p_i \propto \lvert a_i\rvert` (summed over the batch dimensions, which share the draws; uniform when every

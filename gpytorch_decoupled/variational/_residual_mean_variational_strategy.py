@@ -29,7 +29,9 @@ from ..gpytorch_compat import (
 )
 from ..linalg import (
     add_to_diagonal,
+    data_landmark_residual,
     jittered_cholesky,
+    landmark_blocks,
     landmark_controlled_estimate,
     landmark_quadratic_form,
     solve_lower,
@@ -173,44 +175,23 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
         The estimate of :math:`R` from this step's drawn rows :math:`C` with landmarks :math:`\mathbf Z = [\beta;
         \mathbf x]`, the covariance basis and the step's data, whose products :math:`\mathbf K_{\mathbf Z\gamma}
         \mathbf a_\gamma` (``landmark_values``) the step computes anyway: more landmarks at no cost in kernel
-        evaluations. With :math:`\mathbf c_{\mathbf Z} = \mathbf L_{\mathbf Z}^{-1}\mathbf K_{\mathbf Z\gamma}
-        \mathbf a_\gamma`, :math:`Q = \lVert\mathbf c_{\mathbf Z}\rVert^2 + R_{\mathbf Z}` for any factor
-        :math:`\mathbf L_{\mathbf Z}` (:func:`~gpytorch_decoupled.linalg.landmark_quadratic_form`), so
-
-        .. math::
-
-            \widehat R = \lVert\mathbf c_{\mathbf Z}\rVert^2 - \lVert\mathbf c\rVert^2 + \widehat R_{\mathbf Z},
-            \qquad \mathbb E\,\widehat R = R \text{ for every } \mathbf x,
-
-        and :math:`R_{\mathbf Z} \leq R` leaves less to sample (:ref:`derivations-landmark-kl`). The small
-        :math:`(M_\beta + N_b)`-sized algebra runs in float64 with the strategy's jitter (the data may repeat points
-        of :math:`\beta`), so that :math:`\mathbf a^\top\mathbf h = \lVert\mathbf c_{\mathbf Z}\rVert^2` holds to
-        rounding; the result has the coefficients' dtype. :math:`\mathbf L_{\mathbf Z}` is held constant under
-        differentiation: :math:`\mathbb E\,\widehat R` does not depend on it, so its gradient would add only zero-mean
-        noise, at the cost of differentiating an :math:`(M_\beta + N_b)`-sized Cholesky factorization.
+        evaluations (:func:`~gpytorch_decoupled.linalg.data_landmark_residual`, with the strategy's jitter).
 
         :param sampled: The drawn rows, their probabilities and :math:`\mathbf K_{C\gamma}\mathbf a_\gamma`.
         :param landmark_values: :math:`\mathbf K_{\mathbf Z\gamma}\mathbf a_\gamma`, ``(..., M_beta + N_b)``.
         :param landmark_covariance: :math:`\mathbf K_{\mathbf Z}`, dense.
         :param row_block: :math:`\mathbf K_{C\mathbf Z}`, dense.
         """
-        coefficients = self.mean_coefficients
-        factor = jittered_cholesky(
-            landmark_covariance.detach().double(),
-            jitter=self.jitter_val,
-            name="kernel matrix of the covariance basis and data",
-        )
-        coordinates = solve_lower(factor, landmark_values.double().unsqueeze(-1)).squeeze(-1)
-        sampled_part = landmark_controlled_estimate(
-            coefficients[..., sampled.indices].double(),
-            sampled.values.double(),
-            row_block.double(),
-            coordinates,
-            factor,
+        return data_landmark_residual(
+            self.mean_coefficients[..., sampled.indices],
+            sampled.values,
+            row_block,
+            landmark_values,
+            landmark_covariance,
+            self.residual_coordinates(),
             sampled.probabilities,
+            self.jitter_val,
         )
-        landmark_part = coordinates.pow(2).sum(-1) - self.residual_coordinates().double().pow(2).sum(-1)
-        return (landmark_part + sampled_part).type(coefficients.dtype)
 
     def _drawn_rows_residual(self, indices: Tensor, data: Tensor) -> Tensor:
         """:meth:`_data_landmark_residual` for explicit draws and data, every block evaluated here."""
@@ -382,22 +363,12 @@ class _ResidualMeanVariationalStrategy(VariationalStrategyBase):
                 if sampled is not None and not self.kl_data_landmarks:  # input set 1 holds the drawn rows
                     self._sampled_residual(sampled, chol, prior.dense(1, 0))
                 elif sampled is not None:  # and set 2 the data: with beta, the landmarks
-                    # One block of [beta; C; x] with itself, sliced here: every block of the joint prior sliced
-                    # separately would cost a gradient as large as all its inputs, gamma included, in the backward pass.
+                    # One block of [beta; C; x] with itself, sliced (landmark_blocks): every block of the joint prior
+                    # sliced separately would cost a gradient as large as all its inputs, gamma included.
                     small = prior.dense(slice(0, 3), slice(0, 3))
-                    m_beta, num_drawn = prior.sizes[0], prior.sizes[1]
-                    landmarks = torch.cat(
-                        [
-                            torch.arange(m_beta, device=small.device),
-                            torch.arange(m_beta + num_drawn, small.size(-1), device=small.device),
-                        ]
-                    )
-                    landmark_rows = small.index_select(-2, landmarks)
+                    landmark_covariance, row_block = landmark_blocks(small, prior.sizes[0], prior.sizes[1])
                     self._residual_quadratic_form = self._data_landmark_residual(
-                        sampled,
-                        torch.cat([beta_values, data_values], -1),
-                        landmark_rows.index_select(-1, landmarks),
-                        small[..., m_beta : m_beta + num_drawn, :].index_select(-1, landmarks),
+                        sampled, torch.cat([beta_values, data_values], -1), landmark_covariance, row_block
                     )
                 blocks = JointPrior(prior.distribution, prior.sizes[:-1], prior.lean)  # without gamma: data last
                 mean, covariance = self._predictive(

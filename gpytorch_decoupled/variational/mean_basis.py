@@ -345,14 +345,19 @@ class MeanBasis(Module):
         if drawn is not None:
             indices, probabilities = drawn
             if probabilities is None:
-                scale = self.inducing_points.size(-2) / indices.numel()
-                self.sampled_quadratic_form = scale * (coefficients[..., indices] * row_values.pop()).sum(-1)
+                self.sampled_quadratic_form = self.column_sampled_estimate(coefficients, indices, row_values.pop())
                 self.sampled_indices = indices
             else:
                 self.sampled_rows = SampledRows(indices, probabilities, row_values.pop())
         return MeanBasisValues(row_values, data_values, prior)
 
     # ------------------------------------------------------------------ a^T K a
+    def column_sampled_estimate(self, coefficients: Tensor, indices: Tensor, row_products: Tensor) -> Tensor:
+        r"""The unbiased estimate :math:`\tfrac{M}{b}\mathbf a_C^\top[\mathbf K_{C\alpha}\mathbf a]` of
+        :math:`\mathbf a^\top\mathbf K_\alpha\mathbf a` from :math:`b` rows :math:`C` drawn uniformly without
+        replacement (``indices``) and their products ``row_products`` :math:`= \mathbf K_{C\alpha}\mathbf a`."""
+        return self.inducing_points.size(-2) / indices.numel() * (coefficients[..., indices] * row_products).sum(-1)
+
     def cross_covariance(self, x1: Tensor, x2: Tensor, **kwargs) -> LinearOperator:
         """The (lazy) prior covariance between two input sets, from one evaluation of the model's prior."""
         return joint_prior(self.model, x1, x2, **kwargs).covariance(0, 1)
