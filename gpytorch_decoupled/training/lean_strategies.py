@@ -26,8 +26,9 @@ from torch import Tensor
 from ..linalg import (
     LeanKernel,
     add_to_diagonal,
+    data_landmark_residual,
     jittered_cholesky,
-    landmark_controlled_estimate,
+    landmark_blocks,
     solve_lower,
     whitened_kl,
 )
@@ -144,9 +145,9 @@ def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction,
     :math:`\mathbf a_\gamma^\top\mathbf K_\gamma\mathbf a_\gamma` (Salimbeni et al. 2018, eqs. 11-12, App. A): exact
     for a mean basis of at most ``exact_kl_size`` points, swept in tiles as the general path does
     (:meth:`~gpytorch_decoupled.linalg.LeanKernel.quadratic_form`); for a larger one, the strategy's own estimate from
-    this step's drawn rows :math:`C` (``draws``: indices and probabilities, from :func:`_residual_mean_draws`), their
+    this step's drawn rows :math:`C` (``draws``: indices and probabilities, from :func:`_mean_basis_draws`), their
     values in the same product as :math:`[\beta; \mathbf x]`'s: with the control variate, :math:`\beta` and the batch
-    as landmarks (:func:`_landmark_residual`), else the column-sampled estimate.
+    as landmarks (:func:`~gpytorch_decoupled.linalg.data_landmark_residual`), else the column-sampled estimate.
     """
     basis = strategy.mean_basis
     gamma, coefficients = basis.inducing_points, basis.coefficients
@@ -158,88 +159,45 @@ def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction,
     beta_values, *row_values, data_values = values.split([row.size(-2) for row in rows], dim=-1)
     factor, interp, variance, q = _whitened_block(strategy, kernel, x)
     coordinates = torch.linalg.solve_triangular(factor, beta_values.unsqueeze(-1), upper=False).squeeze(-1)
-    kl = q.kl()
     if draws is None:
         quadratic_form = kernel.quadratic_form(gamma, coefficients)
-        if type(strategy) is OrthogonallyDecoupledVariationalStrategy:
-            kl = kl + 0.5 * (quadratic_form - coordinates.pow(2).sum(-1))
-        else:
-            kl = kl + (q.mean * coordinates).sum(-1) + 0.5 * quadratic_form
-    else:
+        residual = quadratic_form - coordinates.pow(2).sum(-1)
+    elif basis.importance_sampling:  # R = a^T K a - ||c||^2, with beta and the batch as landmarks
         indices, probabilities = draws
-        if basis.importance_sampling:  # R, a^T K a - ||c||^2, with beta and the batch as landmarks
-            residual = _landmark_residual(
-                strategy, kernel, stacked, indices, probabilities, row_values[0], beta_values, data_values, coordinates
-            )
-            quadratic_form = coordinates.pow(2).sum(-1) + residual
-        else:  # the column-sampled estimate of a^T K a
-            scale = gamma.size(-2) / indices.numel()
-            quadratic_form = scale * (coefficients[..., indices] * row_values[0]).sum(-1)
-            residual = quadratic_form - coordinates.pow(2).sum(-1)
-        if type(strategy) is OrthogonallyDecoupledVariationalStrategy:
-            kl = kl + 0.5 * residual
-        else:
-            kl = kl + (q.mean * coordinates).sum(-1) + 0.5 * quadratic_form
-    block_mean = q.mean - coordinates if type(strategy) is OrthogonallyDecoupledVariationalStrategy else q.mean
+        landmark_covariance, row_block = landmark_blocks(kernel(stacked, stacked), beta.size(-2), indices.numel())
+        residual = data_landmark_residual(
+            coefficients[..., indices],
+            row_values[0],
+            row_block,
+            torch.cat([beta_values, data_values], -1),
+            landmark_covariance,
+            coordinates,
+            probabilities,
+            strategy.jitter_val,
+        )
+        quadratic_form = coordinates.pow(2).sum(-1) + residual
+    else:  # the column-sampled estimate of a^T K a
+        quadratic_form = basis.column_sampled_estimate(coefficients, draws[0], row_values[0])
+        residual = quadratic_form - coordinates.pow(2).sum(-1)
+    if type(strategy) is OrthogonallyDecoupledVariationalStrategy:
+        block_mean = q.mean - coordinates
+        kl = q.kl() + 0.5 * residual
+    else:
+        block_mean = q.mean
+        kl = q.kl() + (q.mean * coordinates).sum(-1) + 0.5 * quadratic_form
     mean = prior_mean(x) + interp.mT @ block_mean + data_values
     return mean, variance, kl, None
 
 
-def _landmark_residual(
-    strategy,
-    kernel: LeanKernel,
-    stacked: Tensor,
-    indices: Tensor,
-    probabilities: Tensor,
-    row_values: Tensor,
-    beta_values: Tensor,
-    data_values: Tensor,
-    coordinates: Tensor,
-) -> Tensor:
-    r"""The orthogonal and hybrid strategies' estimate of :math:`R = \mathbf a_\gamma^\top\mathbf K_\gamma
-    \mathbf a_\gamma - \lVert\mathbf c\rVert^2` from the drawn rows :math:`C` with the landmarks :math:`\mathbf Z =
-    [\beta; \mathbf x]`, as their training pass computes it: :math:`\lVert\mathbf c_{\mathbf Z}\rVert^2 -
-    \lVert\mathbf c\rVert^2 + \widehat R_{\mathbf Z}` (:func:`~gpytorch_decoupled.linalg.landmark_controlled_estimate`)
-    from one kernel block of ``stacked`` :math:`= [\beta; C; \mathbf x]` with itself, the small algebra in float64
-    with :math:`\mathbf K_{\mathbf Z}`'s factor held constant."""
-    num_beta, num_drawn = beta_values.size(-1), indices.numel()
-    small = kernel(stacked, stacked)
-    landmarks = torch.cat(
-        [
-            torch.arange(num_beta, device=small.device),
-            torch.arange(num_beta + num_drawn, small.size(-1), device=small.device),
-        ]
-    )
-    landmark_rows = small.index_select(-2, landmarks)
-    landmark_factor = jittered_cholesky(
-        landmark_rows.index_select(-1, landmarks).detach().double(),
-        jitter=strategy.jitter_val,
-        name="kernel matrix of the covariance basis and data",
-    )
-    landmark_values = torch.cat([beta_values, data_values], -1).double().unsqueeze(-1)
-    landmark_coordinates = solve_lower(landmark_factor, landmark_values).squeeze(-1)
-    coefficients = strategy.mean_basis.coefficients
-    sampled_part = landmark_controlled_estimate(
-        coefficients[..., indices].double(),
-        row_values.double(),
-        small[..., num_beta : num_beta + num_drawn, :].index_select(-1, landmarks).double(),
-        landmark_coordinates,
-        landmark_factor,
-        probabilities,
-    )
-    landmark_part = landmark_coordinates.pow(2).sum(-1) - coordinates.double().pow(2).sum(-1)
-    return (landmark_part + sampled_part).type(coefficients.dtype)
-
-
-def _residual_mean_draws(strategy) -> tuple[Tensor, Tensor | None] | None:
-    """This step's rows of the orthogonal or hybrid strategy's estimated KL and their probabilities (None for the
-    uniform draw; None instead of both where the KL is exact), drawn by the mean basis as its training pass draws them
-    (the same generator calls)."""
+def _mean_basis_draws(strategy) -> tuple[Tensor, Tensor | None] | None:
+    """This step's rows of a strategy's estimated mean-basis KL and their probabilities (None for the uniform draw; None
+    instead of both where the KL is exact), drawn by the mean basis as the strategy's training pass draws them (the
+    same generator calls)."""
     basis = strategy.mean_basis
     return basis.draw_rows(basis.coefficients)
 
 
-def _decoupled_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
+def _decoupled_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: tuple | None):
     r"""
     The decoupled strategy's training pass (Cheng & Boots 2017, App. B): :math:`\mathbf a` and :math:`\mathbf L_B`
     (Jacobi-scaled where the strategy is), the float64 factor :math:`\mathbf R` of :math:`\mathbf H = \mathbf I +
@@ -249,7 +207,7 @@ def _decoupled_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: 
     K_\alpha\mathbf a + \tfrac12[\log\lvert\mathbf H\rvert + \operatorname{tr}\mathbf H^{-1} - M_\beta]`, its
     quadratic form swept exactly over the tiles of the upper triangle (a mean basis of at most ``exact_kl_size``
     points) or, for a larger one, estimated without bias from this step's rows :math:`C` of :math:`\mathbf K_\alpha`
-    (``draws``, :math:`b` of them drawn uniformly by :func:`_decoupled_draws`) as
+    (``draws``, :math:`b` of them drawn uniformly by :func:`_mean_basis_draws`) as
     :math:`\tfrac{M_\alpha}{b}\mathbf a_C^\top\mathbf K_{C\alpha}\mathbf a`, whose values come out of the same
     product as the data's, :math:`\mathbf K_{[C;\mathbf x]\alpha}\mathbf a`; the terms themselves are the statistics
     (:class:`DecoupledTerms`).
@@ -269,13 +227,14 @@ def _decoupled_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: 
         data_values = kernel.matvec(x, alpha, coefficients)
         quadratic_form = kernel.quadratic_form(alpha, coefficients)
     else:  # the drawn rows and the data in one product, as the strategy's own training pass computes them
-        values = kernel.matvec(torch.cat([alpha[draws], x], dim=-2), alpha, coefficients)
-        row_values, data_values = values.split([draws.numel(), x.size(-2)], dim=-1)
-        quadratic_form = alpha.size(-2) / draws.numel() * (coefficients[draws] * row_values).sum(-1)
+        indices = draws[0]
+        values = kernel.matvec(torch.cat([alpha[indices], x], dim=-2), alpha, coefficients)
+        row_values, data_values = values.split([indices.numel(), x.size(-2)], dim=-1)
+        quadratic_form = strategy.mean_basis.column_sampled_estimate(coefficients, indices, row_values)
     mean = prior_mean(x) + data_values
     variance = kernel.diagonal(x) - reduction.pow(2).sum(-2)
     kl = 0.5 * quadratic_form + whitened_kl(chol).to(x.dtype)
-    return mean, variance, kl, DecoupledTerms(x, mean, variance, kl, draws)
+    return mean, variance, kl, DecoupledTerms(x, mean, variance, kl, None if draws is None else draws[0])
 
 
 def _dual_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
@@ -339,13 +298,6 @@ def _supports_decoupled(strategy) -> str | None:
     return None
 
 
-def _decoupled_draws(strategy) -> Tensor | None:
-    """This step's rows of the decoupled strategy's column-sampled KL (None where it is exact), drawn by the mean
-    basis as its training pass draws them (the same generator calls)."""
-    drawn = strategy.mean_basis.draw_rows(strategy._variational_distribution.mean_coefficients)
-    return None if drawn is None else drawn[0]
-
-
 def _supports_dual(strategy) -> str | None:
     if strategy.inducing_points.dim() != 2 or strategy._variational_distribution.batch_shape != torch.Size([]):
         return "the inducing points or the sites have a batch shape"
@@ -357,8 +309,8 @@ def _supports_dual(strategy) -> str | None:
 # strategy type -> (why it is unsupported or None, the step's random draws, the terms)
 STRATEGY_TERMS: dict[type, tuple[Callable, Callable, Callable]] = {
     VariationalStrategy: (_supports_svgp, lambda strategy: None, _svgp_terms),
-    OrthogonallyDecoupledVariationalStrategy: (_supports_residual_mean, _residual_mean_draws, _residual_mean_terms),
-    HybridVariationalStrategy: (_supports_residual_mean, _residual_mean_draws, _residual_mean_terms),
+    OrthogonallyDecoupledVariationalStrategy: (_supports_residual_mean, _mean_basis_draws, _residual_mean_terms),
+    HybridVariationalStrategy: (_supports_residual_mean, _mean_basis_draws, _residual_mean_terms),
     DualVariationalStrategy: (_supports_dual, lambda strategy: None, _dual_terms),
-    DecoupledVariationalStrategy: (_supports_decoupled, _decoupled_draws, _decoupled_terms),
+    DecoupledVariationalStrategy: (_supports_decoupled, _mean_basis_draws, _decoupled_terms),
 }

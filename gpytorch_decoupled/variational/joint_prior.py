@@ -33,8 +33,7 @@ class JointPrior(NamedTuple):
         values :meth:`dense` and :meth:`diagonal` return for a model whose ``forward`` is that kernel's prior), without
         evaluating the model: what the lean training step uses where :func:`joint_prior` would call ``model.forward``.
         It has no distribution: :meth:`covariance` and :meth:`mean` are not available."""
-        batch_shape = broadcast_shapes(*(x.shape[:-2] for x in inputs))
-        stacked = torch.cat([x.expand(*batch_shape, *x.shape[-2:]) for x in inputs], dim=-2)
+        stacked = _stacked(inputs)
         return cls(None, tuple(x.size(-2) for x in inputs), (kernel, stacked, stacked))
 
     def _rows(self, index: int | slice) -> slice:
@@ -104,8 +103,12 @@ def joint_prior(model: torch.nn.Module, *inputs: Tensor, **kwargs) -> JointPrior
         >>> torch.allclose(prior.covariance(0, 1).to_dense(), model.covar_module(z, x).to_dense())
         True
     """
-    batch_shape = broadcast_shapes(*(x.shape[:-2] for x in inputs))
-    stacked = torch.cat([x.expand(*batch_shape, *x.shape[-2:]) for x in inputs], dim=-2)
-    distribution = model.forward(stacked, **kwargs)
+    distribution = model.forward(_stacked(inputs), **kwargs)
     lean = LeanKernel.of_block(distribution.lazy_covariance_matrix)
     return JointPrior(distribution, tuple(x.size(-2) for x in inputs), lean)
+
+
+def _stacked(inputs: tuple[Tensor, ...]) -> Tensor:
+    """The input sets stacked along the rows, ``(..., sum n_i, D)``, their batch dimensions broadcast."""
+    batch_shape = broadcast_shapes(*(x.shape[:-2] for x in inputs))
+    return torch.cat([x.expand(*batch_shape, *x.shape[-2:]) for x in inputs], dim=-2)

@@ -40,11 +40,12 @@ class CaseModel(gpytorch.models.ApproximateGP):
             if distribution == "fast_natural"
             else gpytorch.variational.CholeskyVariationalDistribution(z.size(0))
         )
+        # mean bases of 20 points: with sampled_kl, their training KL is estimated from 5 rows per step
+        exact_kl_size = 10 if sampled_kl else 4096
         if strategy == "dual":  # t-SVGP: its own sites
             variational_strategy = DualVariationalStrategy(self, z, DualVariationalDistribution(z.size(0)))
         elif strategy == "decoupled":  # its own parameters (a, L_B): the mean basis is gamma
             q = DecoupledVariationalDistribution(gamma.size(0), z.size(0))
-            exact_kl_size = 10 if sampled_kl else 4096  # sampled: 5 of the 20 rows of K_alpha per step
             variational_strategy = DecoupledVariationalStrategy(
                 self, z, q, gamma, num_kl_columns=5, jacobi_preconditioning=jacobi, exact_kl_size=exact_kl_size
             )
@@ -52,7 +53,6 @@ class CaseModel(gpytorch.models.ApproximateGP):
             variational_strategy = gpytorch.variational.VariationalStrategy(self, z, q)
         else:
             cls = OrthogonallyDecoupledVariationalStrategy if strategy == "odvgp" else HybridVariationalStrategy
-            exact_kl_size = 10 if sampled_kl else 4096  # sampled: 5 of the 20 rows of K_gamma per step, by |a_gamma|
             variational_strategy = cls(self, z, q, gamma, num_kl_columns=5, exact_kl_size=exact_kl_size)
         super().__init__(variational_strategy)
         self.mean_module = gpytorch.means.ConstantMean() if mean == "constant" else gpytorch.means.ZeroMean()
