@@ -18,7 +18,9 @@ GPflow's SVGP-Adam (GPyTorch's SVGP with a Cholesky q(u), Adam on every paramete
 without compiling (``TrainingStep(mll, optimizers, compile=False)``: no compile time) against the general eager step.
 The Decoupled strategy (:math:`M_\\alpha` = 1000 on OrthNat's γ, :math:`M_\\beta` = 200, MeanBasisAdam's curvature
 step on its parameters and Adam on the rest) is measured the same way, without a goal: ``decoupled_*_vs_eager`` and
-``decoupled_compiled_vs_gpytorch_svgp_adam``.
+``decoupled_compiled_vs_gpytorch_svgp_adam``. So is VBKS's step (:class:`~gpytorch_decoupled.training.
+KernelSelectionStep`: the 15 kernels of at most one operator over SE, RQ and LIN with ARD, each its own whitened SVGP
+at the shared M = 200 inducing inputs, Adam): ``vbks_*_vs_eager`` and ``vbks_compiled_vs_gpytorch_svgp_adam``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ PAIRS = {
     "ours-orthnat-compiled": "ours-orthnat-eager",
     "ours-tsvgp-compiled": "ours-tsvgp-eager",
     "ours-decoupled-compiled": "ours-decoupled-eager",
+    "ours-vbks-compiled": "ours-vbks-eager",
 }
 
 
@@ -191,11 +194,14 @@ def run(args: argparse.Namespace) -> dict:
         "tsvgp_compiled_vs_eager": ratio("ours-tsvgp-compiled", "ours-tsvgp-eager"),
         "decoupled_compiled_vs_eager": ratio("ours-decoupled-compiled", "ours-decoupled-eager"),
         "decoupled_compiled_vs_gpytorch_svgp_adam": ratio("ours-decoupled-compiled", "gpytorch-svgp-adam"),
+        "vbks_compiled_vs_eager": ratio("ours-vbks-compiled", "ours-vbks-eager"),
+        "vbks_compiled_vs_gpytorch_svgp_adam": ratio("ours-vbks-compiled", "gpytorch-svgp-adam"),
         "gpytorch_svgp_adam_lean_vs_eager": ratio("gpytorch-svgp-adam-lean", "gpytorch-svgp-adam"),
         "svgp_natural_lean_vs_eager": ratio("ours-svgp-natural-lean", "ours-svgp-natural-eager"),
         "orthnat_lean_vs_eager": ratio("ours-orthnat-lean", "ours-orthnat-eager"),
         "tsvgp_lean_vs_eager": ratio("ours-tsvgp-lean", "ours-tsvgp-eager"),
         "decoupled_lean_vs_eager": ratio("ours-decoupled-lean", "ours-decoupled-eager"),
+        "vbks_lean_vs_eager": ratio("ours-vbks-lean", "ours-vbks-eager"),
         "gpflow_adam_vs_gpytorch_svgp_adam": ratio("gpflow-svgp-adam", "gpytorch-svgp-adam"),
     }
     config = {key: value for key, value in vars(args).items() if key not in ("run",)}

@@ -33,6 +33,9 @@ TORCH_CONFIGS = (
     "ours-decoupled-eager",
     "ours-decoupled-lean",
     "ours-decoupled-compiled",
+    "ours-vbks-eager",
+    "ours-vbks-lean",
+    "ours-vbks-compiled",
 )
 
 
@@ -96,6 +99,8 @@ def make_step(config: str, train_x, train_y, inducing, mean_inducing):
             strategy.inducing_points.copy_(inducing)
             strategy.mean_inducing_points.copy_(mean_inducing)
         mll, optimizers = method.mll, method.optimizers
+    elif family == "ours-vbks":
+        return _kernel_selection_step(config, train_x, train_y, inducing, mode)
     elif family == "ours-tsvgp":
         from benchmarks.methods.dual_method import DualMethod
 
@@ -122,6 +127,26 @@ def _lean_step(config: str, mll, optimizers, mode: str):
     options = {"mode": "reduce-overhead"} if mode == "graphs" else {}
     step = TrainingStep(mll, optimizers, compile=mode in ("compiled", "graphs"), **options)
     if step.fallback_reason is not None:  # it would time the eager step under the lean or compiled name
+        raise RuntimeError(f"{config} does not take the lean path: {step.fallback_reason}")
+    return step
+
+
+def _kernel_selection_step(config: str, train_x, train_y, inducing, mode: str):
+    """VBKS's step (:class:`~gpytorch_decoupled.training.KernelSelectionStep`) over the 15 kernels of at most one
+    operator over SE, RQ and LIN with ARD (``bench kernel-selection``'s elevators space), all at the shared inducing
+    inputs (fixed, as VBKS keeps them), Adam at 0.01 on every candidate's parameters."""
+    from gpytorch_decoupled.kernels import KernelSpace
+    from gpytorch_decoupled.models import KernelSelectionGP
+    from gpytorch_decoupled.training import KernelSelectionStep
+
+    space = KernelSpace.enumerate(base=("SE", "RQ", "LIN"), max_operators=1)
+    model = KernelSelectionGP(space, inducing.clone(), ard_num_dims=train_x.size(-1)).to(train_x)
+    parameters = [p for name, p in model.named_parameters() if not name.startswith("kernel_belief.")]
+    adam = torch.optim.Adam(parameters, lr=0.01)
+    options = {"mode": "reduce-overhead"} if mode == "graphs" else {}
+    compile = mode in ("compiled", "graphs")
+    step = KernelSelectionStep(model, adam, train_y.numel(), compile=compile, lean=mode != "eager", **options)
+    if mode != "eager" and step.fallback_reason is not None:
         raise RuntimeError(f"{config} does not take the lean path: {step.fallback_reason}")
     return step
 

@@ -33,7 +33,7 @@ from .report import benchmark_payload, format_ratios, write_results
 from .runner import timed_call
 
 REFERENCES = ("gpytorch-svgp-adam", "gpytorch-largebatch-adam")
-FAMILIES = ("ours-svgp-natural", "ours-orthnat", "ours-tsvgp", "ours-decoupled")
+FAMILIES = ("ours-svgp-natural", "ours-orthnat", "ours-tsvgp", "ours-decoupled", "ours-vbks")
 CONFIGS = (*REFERENCES, *(f"{family}-{mode}" for family in FAMILIES for mode in ("eager", "graphs")))
 
 

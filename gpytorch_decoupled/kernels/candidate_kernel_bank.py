@@ -181,12 +181,24 @@ class CandidateKernelBank(Kernel):
             raise NotImplementedError("CandidateKernelBank does not support last_dim_is_batch.")
         self._check_input(x1)
         self._check_input(x2)
-        dim = -2 if diag else -3  # the leaf (then candidate) dimension
+        dim = -2 if diag else -3  # the leaf dimension
         blocks = [
             to_dense(kernel.forward(self._leaf_inputs(x1, kind), self._leaf_inputs(x2, kind), diag=diag))
             for kind, kernel in self.base_kernels.items()
         ]
-        leaves = torch.cat(blocks, dim=dim)
+        return self.combine_leaves(torch.cat(blocks, dim=dim), diag=diag)
+
+    def combine_leaves(self, leaves: Tensor, diag: bool = False) -> Tensor:
+        r"""
+        The candidates' covariances from their leaves' values: :math:`\sum_{t \in T_c} \prod_{j \in t} k_j` for
+        every candidate :math:`c`, by gathering (a loop over product lengths, not over candidates or terms).
+
+        :param leaves: Every leaf's values, kind by kind in the order of :attr:`base_kernels` and within a kind in
+            the order of :meth:`leaf_candidates`: ``(..., L, n, m)``, or ``(..., L, n)`` with ``diag=True``.
+        :param diag: Whether the values are diagonals.
+        :return: ``(..., C, n, m)`` (``(..., C, n)`` with ``diag=True``).
+        """
+        dim = -2 if diag else -3  # the leaf (then candidate) dimension
         shape = list(leaves.shape)
         shape[dim] = self.num_candidates
         covariance = leaves.new_zeros(shape)

@@ -32,7 +32,9 @@ class LeanKernel:
     Supported: :class:`~gpytorch.kernels.RBFKernel` and :class:`~gpytorch.kernels.MaternKernel`
     (:math:`\nu \in \{\tfrac12, \tfrac32, \tfrac52\}`), with one or ARD length-scales, optionally inside a
     :class:`~gpytorch.kernels.ScaleKernel`, without batch shape and active dimensions. Anything else makes
-    :meth:`of` return None (the caller keeps GPyTorch's general path).
+    :meth:`of` return None (the caller keeps GPyTorch's general path). Built directly, a kernel with a batch shape
+    ``(k,)`` gives ``(k, N1, N2)`` blocks and ``(k, N)`` diagonals (the SE leaves of
+    :class:`~gpytorch_decoupled.training.LeanCandidateBank`; :meth:`matvec` and :meth:`quadratic_form` take no batch).
 
     .. math::
 
@@ -101,7 +103,7 @@ class LeanKernel:
             # several times faster; eager calls keep GPyTorch's product and its rounding.
             thin = torch.compiler.is_compiling()
             limit = _distance_limit(x1.dtype, 0.5)
-            squares = _square_distance(x1.div(lengthscale), x2.div(lengthscale), same, thin, limit)
+            squares = expanded_square_distance(x1.div(lengthscale), x2.div(lengthscale), same, thin, limit)
             covariance = squares.mul(-0.5).exp()
         else:
             centre = x1.mean(dim=-2, keepdim=True)
@@ -112,7 +114,7 @@ class LeanKernel:
                 # GPyTorch's clamp: the distance of a point to itself has a zero (not infinite) gradient.
                 # The square root amplifies the rounding of the diagonal's zero distances, so their gradients need
                 # GPyTorch's own product, summed in its order.
-                distance = _square_distance(z1, z2, True, False, limit**2).clamp_min(1e-30).sqrt()
+                distance = expanded_square_distance(z1, z2, True, False, limit**2).clamp_min(1e-30).sqrt()
             else:  # as GPyTorch's distance between different sets of points
                 distance = torch.cdist(z1, z2).clamp(1e-15, limit)
             covariance = torch.exp(-math.sqrt(2.0 * nu) * distance)
@@ -120,7 +122,7 @@ class LeanKernel:
                 covariance = covariance * (math.sqrt(3.0) * distance + 1.0)
             elif nu == 2.5:
                 covariance = covariance * (math.sqrt(5.0) * distance + 1.0 + 5.0 / 3.0 * distance.pow(2))
-        return covariance if self.scale is None else covariance * self.scale.outputscale
+        return covariance if self.scale is None else covariance * self.scale.outputscale[..., None, None]
 
     @property
     def profile(self) -> str | None:
@@ -162,7 +164,7 @@ class LeanKernel:
     def diagonal(self, x: Tensor) -> Tensor:
         r""":math:`k(\mathbf x_n, \mathbf x_n)`, ``(N,)``: the output scale (1 without a scale kernel)."""
         ones = x.new_ones(x.shape[:-1])
-        return ones if self.scale is None else ones * self.scale.outputscale
+        return ones if self.scale is None else ones * self.scale.outputscale[..., None]
 
 
 def _distance_limit(dtype: torch.dtype, rate: float) -> float:
@@ -173,10 +175,20 @@ def _distance_limit(dtype: torch.dtype, rate: float) -> float:
     return -_LN_2 * exponent_floor(dtype) / rate
 
 
-def _square_distance(z1: Tensor, z2: Tensor, same: bool, thin: bool, limit: float) -> Tensor:
-    # GPyTorch's expansion, operation for operation (centred, one product of augmented inputs): at zero distance the
-    # result is a rounding residual, which a Matern kernel's square root amplifies to ~1e-8, so the lean path must round
-    # exactly as the general path does to return the same values.
+def expanded_square_distance(z1: Tensor, z2: Tensor, same: bool, thin: bool, limit: float) -> Tensor:
+    r"""
+    The squared distances :math:`\lVert\mathbf z_{1,i} - \mathbf z_{2,j}\rVert^2` by GPyTorch's expansion, operation
+    for operation (centred on the mean of ``z1``, one product of augmented inputs), clamped to ``[0, limit]``: at zero
+    distance the result is a rounding residual, which a Matérn kernel's square root amplifies to ~1e-8, so the lean
+    paths round exactly as the general path does to return the same values. Batch dimensions broadcast.
+
+    :param z1: ``(..., N1, D)``.
+    :param z2: ``(..., N2, D)``.
+    :param same: Whether the two are one set of points: as GPyTorch, the diagonal is zeroed where no gradient is taken.
+    :param thin: Form the product by :func:`~gpytorch_decoupled.linalg.thin_cross_product` (faster gradients).
+    :param limit: The clamp's upper end (``math.inf`` for none).
+    :return: ``(..., N1, N2)``.
+    """
     adjustment = z1.mean(-2, keepdim=True)
     z1, z2 = z1 - adjustment, z2 - adjustment
     norm1, norm2 = z1.pow(2).sum(dim=-1, keepdim=True), z2.pow(2).sum(dim=-1, keepdim=True)

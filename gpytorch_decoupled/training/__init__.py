@@ -4,8 +4,9 @@ updates) in one :func:`torch.compile` graph, through a lean tensor path with the
 general path (:class:`LeanELBO`, :class:`~gpytorch_decoupled.linalg.LeanKernel`, :class:`LeanLikelihood`, and
 t-SVGP's E-step :class:`LeanEStep`); :func:`eager_training_step` is the eager step it equals. The Kalman-recursive
 family's steps, SRGP's (:class:`RecursiveTrainingStep`) and the Kalman update (:class:`KalmanUpdateStep`), compile
-through the same helper, from the lean prior blocks :class:`LeanKalmanBlocks`. The documentation's guide on compiling
-says what is supported and what falls back to eager.
+through the same helper, from the lean prior blocks :class:`LeanKalmanBlocks`; VBKS's step over all its candidates
+is :class:`KernelSelectionStep` (the candidate bank by :class:`LeanCandidateBank`). The documentation's guide on
+compiling says what is supported and what falls back to eager.
 """
 
 from ..linalg import LeanKernel as LeanKernel  # moved to linalg; importable here as before
@@ -13,6 +14,8 @@ from . import lean_strategies, optimizer_updates
 from .compile_training_step import compile_training_step
 from .eager_training_step import eager_training_step
 from .kalman_update_step import KalmanUpdateStep
+from .kernel_selection_step import KernelSelectionStep
+from .lean_candidate_bank import LeanCandidateBank
 from .lean_e_step import LeanEStep
 from .lean_elbo import LeanELBO
 from .lean_kalman_blocks import LeanKalmanBlocks
@@ -22,6 +25,8 @@ from .training_step import TrainingStep
 
 __all__ = [
     "KalmanUpdateStep",
+    "KernelSelectionStep",
+    "LeanCandidateBank",
     "LeanELBO",
     "LeanEStep",
     "LeanKalmanBlocks",

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from gpytorch.likelihoods import GaussianLikelihood, Likelihood
 from gpytorch.settings import min_variance
 from torch import Tensor
@@ -13,7 +14,8 @@ class LeanLikelihood:
     operations, for the lean training path: the same values and gradients as the likelihood's ``expected_log_prob``
     at :math:`q(f_n) = \mathcal N(\mu_n, \sigma_n^2)`, read from the likelihood's parameters at every call.
 
-    Supported: :class:`~gpytorch.likelihoods.GaussianLikelihood` (homoskedastic, no batch shape), in closed form,
+    Supported: :class:`~gpytorch.likelihoods.GaussianLikelihood` (homoskedastic; with a batch shape where asked for,
+    a noise per batch member broadcast over the last dimension), in closed form,
 
     .. math::
 
@@ -41,9 +43,10 @@ class LeanLikelihood:
         self.likelihood = likelihood
 
     @classmethod
-    def of(cls, likelihood: Likelihood) -> LeanLikelihood | None:
-        """The lean form of ``likelihood``, or None where it is not of a supported type."""
-        if type(likelihood) is not GaussianLikelihood or likelihood.noise_covar.noise.numel() != 1:
+    def of(cls, likelihood: Likelihood, batch_shape: torch.Size = torch.Size()) -> LeanLikelihood | None:
+        """The lean form of ``likelihood`` with batch shape ``batch_shape``, or None where it is not of a supported
+        type or shape."""
+        if type(likelihood) is not GaussianLikelihood or likelihood.noise_covar.noise.shape != (*batch_shape, 1):
             return None
         return cls(likelihood)
 

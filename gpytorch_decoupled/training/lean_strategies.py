@@ -106,7 +106,7 @@ def whitened_q(distribution) -> WhitenedQ:
         mean, covariance, logdet = distribution.moments()
         return WhitenedQ(mean, covariance, None, logdet)
     root = distribution.chol_variational_covar.tril()
-    logdet = 2.0 * root.diagonal().abs().log().sum()
+    logdet = 2.0 * root.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)
     return WhitenedQ(distribution.variational_mean, None, root, logdet)
 
 
@@ -131,9 +131,14 @@ def _whitened_block(
     return factor, interp, variance, q
 
 
-def _svgp_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
+def svgp_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: Tensor | None):
+    r"""GPyTorch's whitened SVGP (:class:`~gpytorch.variational.VariationalStrategy`): the marginals
+    :math:`\mu_0(\mathbf x) + \mathbf W^\top\mathbf m` and variances of :func:`_whitened_block`, and
+    :math:`\mathrm{KL}[q(\mathbf u)\Vert\mathcal N(\mathbf 0, \mathbf I)]`. Batch-generic: a kernel returning
+    ``(C, ...)`` blocks and a distribution with batch shape ``(C,)`` give ``(C, N)`` marginals and ``(C,)`` KLs (the
+    candidates of :class:`~gpytorch_decoupled.models.KernelSelectionGP`)."""
     _, interp, variance, q = _whitened_block(strategy, kernel, x)
-    mean = prior_mean(x) + interp.mT @ q.mean
+    mean = prior_mean(x) + (q.mean.unsqueeze(-2) @ interp).squeeze(-2)
     return mean, variance, q.kl(), None
 
 
@@ -308,7 +313,7 @@ def _supports_dual(strategy) -> str | None:
 
 # strategy type -> (why it is unsupported or None, the step's random draws, the terms)
 STRATEGY_TERMS: dict[type, tuple[Callable, Callable, Callable]] = {
-    VariationalStrategy: (_supports_svgp, lambda strategy: None, _svgp_terms),
+    VariationalStrategy: (_supports_svgp, lambda strategy: None, svgp_terms),
     OrthogonallyDecoupledVariationalStrategy: (_supports_residual_mean, _mean_basis_draws, _residual_mean_terms),
     HybridVariationalStrategy: (_supports_residual_mean, _mean_basis_draws, _residual_mean_terms),
     DualVariationalStrategy: (_supports_dual, lambda strategy: None, _dual_terms),

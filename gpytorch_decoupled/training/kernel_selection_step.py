@@ -1,0 +1,226 @@
+from __future__ import annotations
+
+import math
+
+import torch
+from gpytorch.means import ConstantMean
+from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
+from torch import Tensor
+
+from ..gpytorch_compat import initialize_variational_distribution
+from ..linalg import all_finite, keep_freed_cpu_memory
+from ..models import CandidateBankGP, KernelSelectionGP
+from ..validation import check_positive_int
+from .lean_candidate_bank import LeanCandidateBank
+from .lean_likelihood import LeanLikelihood
+from .lean_strategies import svgp_terms
+from .optimizer_updates import current_update, optimizer_update, rate_tensor, unsupported_optimizer
+from .training_step import (
+    _own_code,
+    _signature,
+    _updated_in_place,
+    _uses_cuda_graphs,
+    batch_size_is_dynamic,
+    mark_batch_dynamic,
+    mark_stepped,
+    unsupported_torch,
+    warn_fallback,
+)
+
+
+class KernelSelectionStep:
+    r"""
+    One training step of variational Bayesian kernel selection (:class:`~gpytorch_decoupled.models.KernelSelectionGP`),
+    ``local_elbos = step(x, y)``: the mini-batch estimates :math:`\hat{\mathcal L}_c / n` of every candidate's local
+    ELBO (:meth:`~gpytorch_decoupled.models.KernelSelectionGP.local_elbos` divided by :math:`n`), the gradients of the
+    loss :math:`-\sum_c\hat{\mathcal L}_c / n` and the optimizer's update, as one function that :func:`torch.compile`
+    captures whole (no graph break). :meth:`KernelSelectionGP.fit <gpytorch_decoupled.models.KernelSelectionGP.fit>`
+    takes its steps with it (``compile=True`` there compiles them).
+
+    The lean path computes the local ELBOs of the default sub-models (GPyTorch's whitened
+    :class:`~gpytorch.variational.VariationalStrategy` with a full-covariance :math:`q(\mathbf u_c)` per candidate,
+    shared inducing inputs, a constant mean and Gaussian noise per candidate) by plain tensor operations with the values
+    and gradients of the general path: the bank's covariances by
+    :class:`~gpytorch_decoupled.training.LeanCandidateBank`, the batched whitened SVGP by
+    :func:`~gpytorch_decoupled.training.lean_strategies.svgp_terms`, the expected log-likelihood by
+    :class:`~gpytorch_decoupled.training.LeanLikelihood`; the gradients by :func:`torch.autograd.grad` and the update
+    by :func:`~gpytorch_decoupled.training.optimizer_updates.optimizer_update` (:class:`torch.optim.Adam`). Anything
+    else (a hyperparameter posterior, another strategy or likelihood, priors on parameters, another optimizer,
+    ``lean=False``) takes the eager step on GPyTorch's general path, with one warning naming the reason
+    (:attr:`fallback_reason`). Outside the compiled region: training mode, :math:`q(\mathbf u)`'s initialization on
+    the first step (as GPyTorch's), the inputs' checks (before anything changes) and the loss's finiteness (a
+    ``RuntimeError`` after the step). CUDA graphs (``mode="reduce-overhead"`` on a GPU) are prepared as
+    :class:`~gpytorch_decoupled.training.TrainingStep` prepares them (static addresses of the optimizer's state and the
+    model's buffers, the returned estimates copied).
+
+    :param model: The model.
+    :param optimizer: Steps the model's parameters (not the kernel belief's, which :meth:`fit_kernel_belief` fits).
+    :param num_data: The number :math:`n` of training points (the mini-batch scale is :math:`n/B`).
+    :param compile: Compile the step with :func:`torch.compile` (False runs the same lean step eagerly).
+    :param lean: Use the lean path where supported (False always runs the eager general step).
+    :param compile_options: Keyword arguments of :func:`torch.compile` (``mode``, ``dynamic``, ``backend`` ...).
+
+    Example:
+        >>> import math, torch
+        >>> from gpytorch_decoupled.models import KernelSelectionGP
+        >>> from gpytorch_decoupled.training import KernelSelectionStep
+        >>> x = torch.linspace(0, 6, 200).unsqueeze(-1)
+        >>> y = torch.sin(2 * math.pi * x.squeeze(-1)) + 0.1 * torch.randn(200)
+        >>> model = KernelSelectionGP(["SE", "PER", "SE + PER"], inducing_points=x[::10].clone())
+        >>> adam = torch.optim.Adam([p for n, p in model.named_parameters() if not n.startswith("kernel_belief")])
+        >>> step = KernelSelectionStep(model, adam, num_data=200, backend="eager")  # "inductor" (default) is faster
+        >>> traces = torch.stack([step(x, y) for _ in range(20)])
+        >>> traces.shape, bool((traces[-1] > traces[0]).all())
+        (torch.Size([20, 3]), True)
+    """
+
+    def __init__(
+        self,
+        model: KernelSelectionGP,
+        optimizer: torch.optim.Optimizer,
+        num_data: int,
+        *,
+        compile: bool = True,
+        lean: bool = True,
+        **compile_options,
+    ):
+        if not isinstance(model, KernelSelectionGP):
+            raise TypeError(f"KernelSelectionStep needs a KernelSelectionGP, got {type(model).__name__}.")
+        check_positive_int(num_data, "num_data")
+        keep_freed_cpu_memory()
+        self.model = model
+        self.optimizer = optimizer
+        self.num_data = num_data
+        self.compiled = compile
+        self.parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        if len({id(parameter) for parameter in self.parameters}) != len(self.parameters):
+            raise ValueError("a parameter is in the optimizer twice.")
+        reason = "lean=False" if not lean else self.unsupported(model, optimizer)
+        self.fallback_reason: str | None = reason
+        r"""Why the step runs eagerly on GPyTorch's general path, or None when it runs the (compiled) lean path."""
+        self._checked_signature: tuple | None = None
+        if reason is not None:
+            if lean:
+                warn_fallback(reason, "the lean kernel-selection step", "on GPyTorch's general path")
+            self._function = None
+            return
+        self._kernel = LeanCandidateBank(model.kernel)
+        self._likelihood = LeanLikelihood(model.likelihood)
+        self._positions = [
+            list(range(start, start + len(group["params"])))
+            for start, group in zip(_starts(optimizer.param_groups), optimizer.param_groups)
+        ]
+        self._update = optimizer_update(optimizer, self._positions)
+        self._dynamic_batch = compile and batch_size_is_dynamic(compile_options)
+        self._cuda_graphs = compile and _uses_cuda_graphs(compile_options)
+        if self._cuda_graphs:  # as TrainingStep: what the step updates in place keeps its address
+            for tensor in _updated_in_place([optimizer], model):
+                torch._dynamo.mark_static_address(tensor)
+        self._function = torch.compile(_own_code(self._lean_step), **compile_options) if compile else self._lean_step
+        self._trace_autograd_ops = torch._dynamo.config.patch(trace_autograd_ops=True)
+
+    @staticmethod
+    def unsupported(model: KernelSelectionGP, optimizer) -> str | None:
+        """Why the lean path cannot take ``model``'s step with ``optimizer``, or None when it can."""
+        reason = unsupported_torch() or unsupported_optimizer(optimizer)
+        if reason is not None:
+            return reason
+        if type(optimizer) is not torch.optim.Adam:
+            return f"{type(optimizer).__name__} (supported: torch.optim.Adam)"
+        if model.hyperparameter_posterior is not None:
+            return "a hyperparameter posterior (its draws of the hyperparameters go through torch.func.functional_call)"
+        candidates = model.candidates
+        strategy = candidates.variational_strategy
+        if type(candidates) is not CandidateBankGP or type(candidates.mean_module) is not ConstantMean:
+            return f"the sub-models {type(candidates).__name__} (supported: CandidateBankGP with its ConstantMean)"
+        if type(strategy) is not VariationalStrategy or type(strategy._variational_distribution) is not (
+            CholeskyVariationalDistribution
+        ):
+            return (
+                f"the strategy {type(strategy).__name__} of {type(strategy._variational_distribution).__name__} "
+                "(supported: VariationalStrategy of CholeskyVariationalDistribution)"
+            )
+        if strategy.inducing_points.dim() != 2:
+            return "inducing points with a batch shape (supported: shared by all candidates, (M, d))"
+        reason = LeanCandidateBank.unsupported(model.kernel)
+        if reason is not None:
+            return reason
+        if LeanLikelihood.of(model.likelihood, torch.Size([model.num_candidates])) is None:
+            return f"the likelihood {type(model.likelihood).__name__} (supported: GaussianLikelihood with batch [C])"
+        if any(True for _ in model.named_priors()):
+            return "a parameter has a prior (its log-density term is not part of the local ELBOs)"
+        trained = {id(p) for name, p in model.named_parameters() if not name.startswith("kernel_belief.")}
+        if any(id(parameter) not in trained for group in optimizer.param_groups for parameter in group["params"]):
+            return "an optimizer stepping parameters other than the candidates' and the likelihood's"
+        return None
+
+    def local_elbo_terms(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        r"""The lean path's ``(ELL, KL)`` of every candidate, each ``(C,)``, as
+        :meth:`~gpytorch_decoupled.models.KernelSelectionGP.local_elbo_terms` returns them (point hyperparameters)."""
+        strategy = self.model.candidates.variational_strategy
+        constant = self.model.candidates.mean_module.constant.unsqueeze(-1)
+        mean, variance, kl, _ = svgp_terms(
+            strategy, self._kernel, lambda x: constant.expand(*constant.shape[:-1], x.size(-2)), x, None
+        )
+        expected_log_likelihood = self._likelihood(y, mean, variance).sum(-1) * (self.num_data / y.size(-1))
+        return expected_log_likelihood, kl
+
+    def _lean_step(self, x: Tensor, y: Tensor, rates: Tensor) -> Tensor:
+        expected_log_likelihood, kl = self.local_elbo_terms(x, y)
+        local_elbos = (expected_log_likelihood - kl) / self.num_data
+        gradients = torch.autograd.grad(-local_elbos.sum(), self.parameters, allow_unused=True)
+        with torch.no_grad():
+            self._update(gradients, rates, None)
+        return local_elbos.detach()
+
+    def _eager_step(self, x: Tensor, y: Tensor) -> Tensor:
+        self.optimizer.zero_grad()
+        expected_log_likelihood, kl = self.model._local_elbo_terms(x, y, self.num_data)
+        local_elbos = (expected_log_likelihood - kl) / self.num_data
+        (-local_elbos.sum()).backward()
+        self.optimizer.step()
+        return local_elbos.detach()
+
+    def _check(self, x: Tensor, y: Tensor) -> None:
+        """Validates the mini-batch before anything changes (in full where its types, shapes, dtypes or devices
+        changed, else that its entries are finite)."""
+        signature = _signature(x, y, self.model.candidates.variational_strategy.inducing_points)
+        if signature == self._checked_signature and all_finite(x, y):
+            return
+        self.model._checked_data(x, y)
+        if not self.num_data >= y.size(-1):
+            raise ValueError(f"num_data ({self.num_data}) must be at least the batch size ({y.size(-1)}).")
+        self._checked_signature = signature
+
+    def __call__(self, x: Tensor, y: Tensor) -> Tensor:
+        r"""Takes one step on the mini-batch ``(x, y)`` (``(B, d)`` and ``(B,)``) and returns every candidate's
+        local-ELBO estimate divided by :math:`n`, ``(C,)``, before the update (the loss is minus their sum)."""
+        self._check(x, y)
+        self.model.train()
+        if self._function is None:
+            return self._eager_step(x, y)
+        initialize_variational_distribution(self.model.candidates.variational_strategy)
+        rates = rate_tensor([self.optimizer], [None], x.device)
+        self._update = current_update(self._update, self.optimizer, self._positions)
+        if self._dynamic_batch:
+            mark_batch_dynamic(x, y)
+        with self._trace_autograd_ops:
+            local_elbos = self._function(x, y, rates)
+        if self._cuda_graphs:  # the graph's output memory is overwritten by its next replay
+            local_elbos = local_elbos.clone()
+        mark_stepped([self.optimizer])
+        if not math.isfinite(local_elbos.sum().item()):
+            raise RuntimeError(
+                "the kernel-selection step's local ELBOs are not finite (e.g. a kernel matrix that is not positive "
+                "definite even with the largest jitter); the parameters were updated with non-finite values."
+            )
+        return local_elbos
+
+
+def _starts(groups: list[dict]) -> list[int]:
+    """Where each parameter group starts in the list of all the optimizer's parameters."""
+    starts, start = [], 0
+    for group in groups:
+        starts.append(start)
+        start += len(group["params"])
+    return starts
