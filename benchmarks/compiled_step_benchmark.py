@@ -21,6 +21,9 @@ step on its parameters and Adam on the rest) is measured the same way, without a
 ``decoupled_compiled_vs_gpytorch_svgp_adam``. So is VBKS's step (:class:`~gpytorch_decoupled.training.
 KernelSelectionStep`: the 15 kernels of at most one operator over SE, RQ and LIN with ARD, each its own whitened SVGP
 at the shared M = 200 inducing inputs, Adam): ``vbks_*_vs_eager`` and ``vbks_compiled_vs_gpytorch_svgp_adam``.
+``--likelihood bernoulli`` times the same steps for binary classification (targets above the median are class 1,
+GPyTorch's probit ``BernoulliLikelihood``) for the configurations that take one (GPyTorch's SVGP, ours SVGP and
+OrthNat).
 """
 
 from __future__ import annotations
@@ -96,12 +99,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", nargs="*", default=None, help="subset of configurations (default: all)")
     parser.add_argument("--gpflow-python", default=str(ROOT.parent / ".venv-gpflow" / "bin" / "python"))
     parser.add_argument("--gpjax-python", default=str(ROOT.parent / ".venv-gpjax" / "bin" / "python"))
+    parser.add_argument(
+        "--likelihood",
+        choices=("gaussian", "bernoulli"),
+        default="gaussian",
+        help="bernoulli: targets above the median are class 1, probit likelihood (GPyTorch's SVGP, ours SVGP and "
+        "OrthNat; the other configurations and the peers are skipped)",
+    )
     parser.add_argument("--output", default=str(ROOT / "results" / "compiled-step.json"))
 
 
 def _data_file(args, directory: str) -> str:
     split = datasets.load(args.dataset, split=0)
     x, y = split.train_x.float(), split.train_y.float()
+    if args.likelihood == "bernoulli":
+        y = (y > y.median()).float()
     generator = torch.Generator().manual_seed(0)
     batches = torch.stack(
         [torch.randperm(x.size(0), generator=generator)[: args.batch_size] for _ in range(args.num_batches)]
@@ -114,6 +126,7 @@ def _data_file(args, directory: str) -> str:
         inducing=initial_inducing_points(x, args.num_inducing, 0).numpy(),
         mean_inducing=initial_inducing_points(x, args.num_mean_inducing, 1).numpy(),
         batches=batches.numpy(),
+        likelihood=np.array(args.likelihood),
     )
     return path
 
@@ -124,6 +137,8 @@ def _command(config: str, data: str, args) -> list[str] | str:
     if config in TORCH_CONFIGS:
         return [sys.executable, "-m", "benchmarks.compiled_step_worker", config, *steps]
     framework, script = PEERS[config]
+    if args.likelihood != "gaussian":
+        return f"{config} skipped: the peers' scripts train a Gaussian likelihood"
     python = getattr(args, f"{framework}_python")
     if not Path(python).exists():
         return f"{framework} skipped: no interpreter at {python} (install it in its own environment, see README)"

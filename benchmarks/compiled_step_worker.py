@@ -39,11 +39,12 @@ TORCH_CONFIGS = (
 )
 
 
-def make_step(config: str, train_x, train_y, inducing, mean_inducing):
+def make_step(config: str, train_x, train_y, inducing, mean_inducing, likelihood: str = "gaussian"):
     """The step function ``step(x, y)`` of a configuration: ``FAMILY-MODE`` with the modes above and ``graphs``
     (compiled with ``mode="reduce-overhead"``: CUDA graphs on a GPU), or ``gpytorch-svgp-adam`` /
     ``gpytorch-largebatch-adam`` (GPyTorch's own eager step with its ``VariationalStrategy`` /
-    ``LargeBatchVariationalStrategy``)."""
+    ``LargeBatchVariationalStrategy``). ``likelihood="bernoulli"`` gives the SVGP and OrthNat configurations
+    GPyTorch's probit ``BernoulliLikelihood`` (the targets are labels), and refuses the others."""
     import gpytorch
 
     from benchmarks.methods.svgp_method import SVGPMethod
@@ -52,6 +53,11 @@ def make_step(config: str, train_x, train_y, inducing, mean_inducing):
     family, _, mode = config.rpartition("-")
     if config in ("gpytorch-svgp-adam", "gpytorch-largebatch-adam"):  # GPyTorch's own eager step
         family, mode = config, "general"
+    classes = {}  # the likelihood of the methods that take one
+    if likelihood == "bernoulli":
+        if family not in ("gpytorch-svgp-adam", "gpytorch-largebatch-adam", "ours-svgp-natural", "ours-orthnat"):
+            raise ValueError(f"{config} is not measured with a Bernoulli likelihood")
+        classes = {"likelihood": gpytorch.likelihoods.BernoulliLikelihood()}
     if family in ("gpytorch-svgp-adam", "gpytorch-largebatch-adam", "ours-svgp-natural"):
         # GPyTorch's SVGP (Cholesky q(u), Adam on everything: GPflow's SVGP-Adam model) or FastNatural + NGD + Adam
         natural = family == "ours-svgp-natural"
@@ -65,6 +71,7 @@ def make_step(config: str, train_x, train_y, inducing, mean_inducing):
             natural=natural,
             fast_natural=natural,
             strategy_cls=strategy,
+            **classes,
         )
         with torch.no_grad():  # the shared inducing inputs (the method draws its own with the same seed)
             method.model.variational_strategy.inducing_points.copy_(inducing)
@@ -81,6 +88,7 @@ def make_step(config: str, train_x, train_y, inducing, mean_inducing):
             num_inducing=inducing.size(0),
             num_mean_inducing=mean_inducing.size(0),
             mean_rule="adam",
+            **classes,
         )
         strategy = method.model.variational_strategy
         with torch.no_grad():  # the shared inducing inputs (the method draws its own with the same seed)
@@ -159,7 +167,8 @@ def run(config: str, data_path: str, seconds: float, warmup: int) -> dict:
     inducing = torch.as_tensor(data["inducing"], dtype=dtype)
     mean_inducing = torch.as_tensor(data["mean_inducing"], dtype=dtype)
     order = torch.as_tensor(data["batches"])
-    step = make_step(config, train_x, train_y, inducing, mean_inducing)
+    likelihood = str(data["likelihood"]) if "likelihood" in data else "gaussian"
+    step = make_step(config, train_x, train_y, inducing, mean_inducing, likelihood)
     batches = [(train_x[index], train_y[index]) for index in order]
 
     def batch(i: int):

@@ -19,6 +19,7 @@ from .landmark_quadratic_form import (
     landmark_quadratic_form,
 )
 from .lean_kernel import LeanKernel
+from .log_normal_cdf import log_normal_cdf
 from .psd_roots import positive_part_root, pseudo_inverse_root
 from .quadratic_form import column_sampled_quadratic_form
 from .settings import kernel_keep_size, kernel_tile_size
@@ -37,6 +38,7 @@ from .whitened_kl import whitened_kl
 
 __all__ = [
     "LeanKernel",
+    "log_normal_cdf",
     "add_to_diagonal",
     "all_finite",
     "broadcast_shapes",

@@ -92,10 +92,19 @@ class HyperparameterPosterior(Module):
 
     def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         r"""Reparameterized offsets :math:`C_\theta\varepsilon` (differentiable in :math:`C_\theta`), by name, each of
-        shape ``(num_samples, *hyperparameter shape)``."""
-        tril = self.scale_tril
-        noise = torch.randn(num_samples, *tril.shape[:-1], generator=generator, dtype=tril.dtype, device=tril.device)
-        blocks = (tril @ noise.unsqueeze(-1)).squeeze(-1)
+        shape ``(num_samples, *hyperparameter shape)``: :meth:`offsets` of :meth:`standard_normal_draws`."""
+        return self.offsets(self.standard_normal_draws(num_samples, generator))
+
+    def standard_normal_draws(self, num_samples: int, generator: torch.Generator | None = None) -> Tensor:
+        r"""The draws :math:`\varepsilon \sim \mathcal N(\mathbf 0, \mathbf I)` of :meth:`sample`, shape
+        ``(num_samples, C, P_max)`` (drawn apart from the offsets, e.g. before a compiled training step)."""
+        shape = self.raw_scale_tril.shape[:-1]
+        raw = self.raw_scale_tril
+        return torch.randn(num_samples, *shape, generator=generator, dtype=raw.dtype, device=raw.device)
+
+    def offsets(self, draws: Tensor) -> dict[str, Tensor]:
+        r"""The offsets :math:`C_\theta\varepsilon` of draws of :meth:`standard_normal_draws`, by name."""
+        blocks = (self.scale_tril @ draws.unsqueeze(-1)).squeeze(-1)
         return self.unflatten(blocks[:, self.entry_candidate, self.entry_slot])
 
     def kl_divergence(self, values: dict[str, Tensor]) -> Tensor:

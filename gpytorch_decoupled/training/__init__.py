@@ -20,6 +20,7 @@ from .lean_e_step import LeanEStep
 from .lean_elbo import LeanELBO
 from .lean_kalman_blocks import LeanKalmanBlocks
 from .lean_likelihood import LeanLikelihood
+from .lean_local_elbos import LeanLocalELBOs
 from .recursive_training_step import RecursiveTrainingStep
 from .training_step import TrainingStep
 
@@ -31,6 +32,7 @@ __all__ = [
     "LeanEStep",
     "LeanKalmanBlocks",
     "LeanLikelihood",
+    "LeanLocalELBOs",
     "RecursiveTrainingStep",
     "TrainingStep",
     "compile_training_step",

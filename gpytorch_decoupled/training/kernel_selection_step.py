@@ -4,7 +4,7 @@ import math
 
 import torch
 from gpytorch.means import ConstantMean
-from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
+from gpytorch.variational import CholeskyVariationalDistribution, UnwhitenedVariationalStrategy, VariationalStrategy
 from torch import Tensor
 
 from ..gpytorch_compat import initialize_variational_distribution
@@ -13,7 +13,7 @@ from ..models import CandidateBankGP, KernelSelectionGP
 from ..validation import check_positive_int
 from .lean_candidate_bank import LeanCandidateBank
 from .lean_likelihood import LeanLikelihood
-from .lean_strategies import svgp_terms
+from .lean_local_elbos import LeanLocalELBOs
 from .optimizer_updates import current_update, optimizer_update, rate_tensor, unsupported_optimizer
 from .training_step import (
     _own_code,
@@ -37,21 +37,25 @@ class KernelSelectionStep:
     captures whole (no graph break). :meth:`KernelSelectionGP.fit <gpytorch_decoupled.models.KernelSelectionGP.fit>`
     takes its steps with it (``compile=True`` there compiles them).
 
-    The lean path computes the local ELBOs of the default sub-models (GPyTorch's whitened
-    :class:`~gpytorch.variational.VariationalStrategy` with a full-covariance :math:`q(\mathbf u_c)` per candidate,
-    shared inducing inputs, a constant mean and Gaussian noise per candidate) by plain tensor operations with the values
-    and gradients of the general path: the bank's covariances by
-    :class:`~gpytorch_decoupled.training.LeanCandidateBank`, the batched whitened SVGP by
-    :func:`~gpytorch_decoupled.training.lean_strategies.svgp_terms`, the expected log-likelihood by
+    The lean path (:class:`~gpytorch_decoupled.training.LeanLocalELBOs`) computes the local ELBOs of the default
+    sub-models (a full-covariance :math:`q(\mathbf u_c)` per candidate at shared inducing inputs, a constant mean and
+    Gaussian noise per candidate; GPyTorch's whitened :class:`~gpytorch.variational.VariationalStrategy` with point
+    hyperparameters, its :class:`~gpytorch.variational.UnwhitenedVariationalStrategy` with a hyperparameter posterior,
+    whose draws :math:`\varepsilon` are made before the compiled region by the same generator call as the model's own
+    pass) by plain tensor operations with the values and gradients of the general path: the bank's covariances by
+    :class:`~gpytorch_decoupled.training.LeanCandidateBank`, the batched SVGP terms by
+    :func:`~gpytorch_decoupled.training.lean_strategies.svgp_terms` or
+    :func:`~gpytorch_decoupled.training.lean_strategies.unwhitened_svgp_terms`, the expected log-likelihood by
     :class:`~gpytorch_decoupled.training.LeanLikelihood`; the gradients by :func:`torch.autograd.grad` and the update
     by :func:`~gpytorch_decoupled.training.optimizer_updates.optimizer_update` (:class:`torch.optim.Adam`). Anything
-    else (a hyperparameter posterior, another strategy or likelihood, priors on parameters, another optimizer,
-    ``lean=False``) takes the eager step on GPyTorch's general path, with one warning naming the reason
-    (:attr:`fallback_reason`). Outside the compiled region: training mode, :math:`q(\mathbf u)`'s initialization on
-    the first step (as GPyTorch's), the inputs' checks (before anything changes) and the loss's finiteness (a
-    ``RuntimeError`` after the step). CUDA graphs (``mode="reduce-overhead"`` on a GPU) are prepared as
-    :class:`~gpytorch_decoupled.training.TrainingStep` prepares them (static addresses of the optimizer's state and the
-    model's buffers, the returned estimates copied).
+    else (another strategy or likelihood, priors on parameters, another optimizer, ``lean=False``) takes the eager step
+    on GPyTorch's general path, with one warning naming the reason (:attr:`fallback_reason`); so does a mini-batch
+    equal to the inducing points with a hyperparameter posterior (GPyTorch's unwhitened strategy then returns
+    :math:`q(\mathbf u)` itself). Outside the compiled region: training mode, :math:`q(\mathbf u)`'s initialization
+    on the first step (as GPyTorch's), the posterior's draws, the inputs' checks (before anything changes) and the
+    loss's finiteness (a ``RuntimeError`` after the step). CUDA graphs (``mode="reduce-overhead"`` on a GPU) are
+    prepared as :class:`~gpytorch_decoupled.training.TrainingStep` prepares them (static addresses of the optimizer's
+    state and the model's buffers, the returned estimates copied).
 
     :param model: The model.
     :param optimizer: Steps the model's parameters (not the kernel belief's, which :meth:`fit_kernel_belief` fits).
@@ -104,8 +108,7 @@ class KernelSelectionStep:
                 warn_fallback(reason, "the lean kernel-selection step", "on GPyTorch's general path")
             self._function = None
             return
-        self._kernel = LeanCandidateBank(model.kernel)
-        self._likelihood = LeanLikelihood(model.likelihood)
+        self.lean = LeanLocalELBOs(model)
         self._positions = [
             list(range(start, start + len(group["params"])))
             for start, group in zip(_starts(optimizer.param_groups), optimizer.param_groups)
@@ -127,18 +130,18 @@ class KernelSelectionStep:
             return reason
         if type(optimizer) is not torch.optim.Adam:
             return f"{type(optimizer).__name__} (supported: torch.optim.Adam)"
-        if model.hyperparameter_posterior is not None:
-            return "a hyperparameter posterior (its draws of the hyperparameters go through torch.func.functional_call)"
         candidates = model.candidates
         strategy = candidates.variational_strategy
         if type(candidates) is not CandidateBankGP or type(candidates.mean_module) is not ConstantMean:
             return f"the sub-models {type(candidates).__name__} (supported: CandidateBankGP with its ConstantMean)"
-        if type(strategy) is not VariationalStrategy or type(strategy._variational_distribution) is not (
+        # the default strategies: whitened with point hyperparameters, unwhitened with a posterior
+        expected = VariationalStrategy if model.hyperparameter_posterior is None else UnwhitenedVariationalStrategy
+        if type(strategy) is not expected or type(strategy._variational_distribution) is not (
             CholeskyVariationalDistribution
         ):
             return (
                 f"the strategy {type(strategy).__name__} of {type(strategy._variational_distribution).__name__} "
-                "(supported: VariationalStrategy of CholeskyVariationalDistribution)"
+                f"(supported: {expected.__name__} of CholeskyVariationalDistribution)"
             )
         if strategy.inducing_points.dim() != 2:
             return "inducing points with a batch shape (supported: shared by all candidates, (M, d))"
@@ -154,19 +157,8 @@ class KernelSelectionStep:
             return "an optimizer stepping parameters other than the candidates' and the likelihood's"
         return None
 
-    def local_elbo_terms(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        r"""The lean path's ``(ELL, KL)`` of every candidate, each ``(C,)``, as
-        :meth:`~gpytorch_decoupled.models.KernelSelectionGP.local_elbo_terms` returns them (point hyperparameters)."""
-        strategy = self.model.candidates.variational_strategy
-        constant = self.model.candidates.mean_module.constant.unsqueeze(-1)
-        mean, variance, kl, _ = svgp_terms(
-            strategy, self._kernel, lambda x: constant.expand(*constant.shape[:-1], x.size(-2)), x, None
-        )
-        expected_log_likelihood = self._likelihood(y, mean, variance).sum(-1) * (self.num_data / y.size(-1))
-        return expected_log_likelihood, kl
-
-    def _lean_step(self, x: Tensor, y: Tensor, rates: Tensor) -> Tensor:
-        expected_log_likelihood, kl = self.local_elbo_terms(x, y)
+    def _lean_step(self, x: Tensor, y: Tensor, draws: Tensor | None, rates: Tensor) -> Tensor:
+        expected_log_likelihood, kl = self.lean(x, y, self.num_data, draws)
         local_elbos = (expected_log_likelihood - kl) / self.num_data
         gradients = torch.autograd.grad(-local_elbos.sum(), self.parameters, allow_unused=True)
         with torch.no_grad():
@@ -180,6 +172,14 @@ class KernelSelectionStep:
         (-local_elbos.sum()).backward()
         self.optimizer.step()
         return local_elbos.detach()
+
+    def _is_inducing_batch(self, x: Tensor) -> bool:
+        """Whether ``x`` is the inducing points of an unwhitened strategy (whose forward pass then returns
+        :math:`q(\\mathbf u)`: the lean path leaves that case to the general one)."""
+        if self.model.hyperparameter_posterior is None:
+            return False
+        inducing_points = self.model.candidates.variational_strategy.inducing_points
+        return x.shape == inducing_points.shape and bool(torch.equal(x, inducing_points))
 
     def _check(self, x: Tensor, y: Tensor) -> None:
         """Validates the mini-batch before anything changes (in full where its types, shapes, dtypes or devices
@@ -197,15 +197,16 @@ class KernelSelectionStep:
         local-ELBO estimate divided by :math:`n`, ``(C,)``, before the update (the loss is minus their sum)."""
         self._check(x, y)
         self.model.train()
-        if self._function is None:
+        if self._function is None or self._is_inducing_batch(x):
             return self._eager_step(x, y)
         initialize_variational_distribution(self.model.candidates.variational_strategy)
+        draws = self.lean.draws()
         rates = rate_tensor([self.optimizer], [None], x.device)
         self._update = current_update(self._update, self.optimizer, self._positions)
         if self._dynamic_batch:
             mark_batch_dynamic(x, y)
         with self._trace_autograd_ops:
-            local_elbos = self._function(x, y, rates)
+            local_elbos = self._function(x, y, draws, rates)
         if self._cuda_graphs:  # the graph's output memory is overwritten by its next replay
             local_elbos = local_elbos.clone()
         mark_stepped([self.optimizer])

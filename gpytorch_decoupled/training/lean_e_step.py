@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+from gpytorch.likelihoods import GaussianLikelihood
 from torch import Tensor
 
 from ..optim import DualEStep
@@ -52,6 +53,8 @@ class LeanEStep:
             mll.likelihood
         ):
             return "a DualEStep of another model or likelihood than the objective's"
+        if type(mll.likelihood) is not GaussianLikelihood:
+            return f"t-SVGP's E-step with a {type(mll.likelihood).__name__} (supported: GaussianLikelihood)"
         return None
 
     def lr(self) -> float:

@@ -88,7 +88,9 @@ class LeanELBO:
         if reason is not None:
             return reason
         if LeanLikelihood.of(mll.likelihood) is None:
-            return f"the likelihood {type(mll.likelihood).__name__} (supported: GaussianLikelihood)"
+            return (
+                f"the likelihood {type(mll.likelihood).__name__} (supported: GaussianLikelihood, BernoulliLikelihood)"
+            )
         if any(True for _ in model.named_priors()) or any(True for _ in mll.likelihood.named_priors()):
             return "a parameter has a prior (its log-density term is not part of the lean objective)"
         if any(True for _ in model.added_loss_terms()):

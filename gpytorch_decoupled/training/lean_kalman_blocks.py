@@ -69,7 +69,8 @@ class LeanKalmanBlocks(torch.nn.Module):
             return f"the strategy {type(strategy).__name__} (supported: KalmanVariationalStrategy; no subclasses)"
         if strategy.inducing_points.dim() != 2 or strategy._variational_distribution.batch_shape != torch.Size([]):
             return "the inducing points or the state have a batch shape (several latents)"
-        if LeanLikelihood.of(likelihood) is None:
+        lean_likelihood = LeanLikelihood.of(likelihood)
+        if lean_likelihood is None or not lean_likelihood.is_gaussian:
             return f"the likelihood {type(likelihood).__name__} (supported: GaussianLikelihood)"
         return unsupported_prior(model)
 

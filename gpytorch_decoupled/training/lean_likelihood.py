@@ -3,9 +3,11 @@ from __future__ import annotations
 import math
 
 import torch
-from gpytorch.likelihoods import GaussianLikelihood, Likelihood
+from gpytorch.likelihoods import BernoulliLikelihood, GaussianLikelihood, Likelihood
 from gpytorch.settings import min_variance
 from torch import Tensor
+
+from ..linalg import log_normal_cdf
 
 
 class LeanLikelihood:
@@ -19,11 +21,18 @@ class LeanLikelihood:
 
     .. math::
 
-        -\tfrac12\big[(y_n - \mu_n)^2 + \sigma_n^2\big]/\sigma_\epsilon^2 - \tfrac12\log(2\pi\sigma_\epsilon^2).
+        -\tfrac12\big[(y_n - \mu_n)^2 + \sigma_n^2\big]/\sigma_\epsilon^2 - \tfrac12\log(2\pi\sigma_\epsilon^2),
 
-    Not (yet) supported: :class:`~gpytorch.likelihoods.BernoulliLikelihood`, whose ``log_normal_cdf`` branches on the
-    data (a graph break per branch) and uses approximations the lean path would have to reproduce term by term to
-    return the same values; it keeps the general, eager path.
+    and :class:`~gpytorch.likelihoods.BernoulliLikelihood` (probit, labels in :math:`\{0, 1\}`, or GPyTorch's
+    deprecated :math:`\{-1, 1\}`, which it reads as given when any label is :math:`-1`, without its
+    ``DeprecationWarning`` here) by GPyTorch's Gauss-Hermite quadrature at its own locations and weights,
+
+    .. math::
+
+        \frac1{\sqrt\pi}\sum_q w_q \log\Phi\big((2y_n - 1)(\mu_n + \sqrt{2}\,\sigma_n t_q)\big),
+
+    with :math:`\log\Phi` by :func:`~gpytorch_decoupled.linalg.log_normal_cdf` (GPyTorch's approximations, without
+    their data-dependent branches).
 
     GPyTorch raises the predictive variances to a floor (``gpytorch.settings.min_variance``) and warns when one falls
     below it; here the floor is applied without the data-dependent check (same values, no warning).
@@ -46,9 +55,16 @@ class LeanLikelihood:
     def of(cls, likelihood: Likelihood, batch_shape: torch.Size = torch.Size()) -> LeanLikelihood | None:
         """The lean form of ``likelihood`` with batch shape ``batch_shape``, or None where it is not of a supported
         type or shape."""
+        if type(likelihood) is BernoulliLikelihood:
+            return cls(likelihood) if batch_shape == torch.Size() else None
         if type(likelihood) is not GaussianLikelihood or likelihood.noise_covar.noise.shape != (*batch_shape, 1):
             return None
         return cls(likelihood)
+
+    @property
+    def is_gaussian(self) -> bool:
+        """Whether the likelihood is Gaussian (the closed forms of t-SVGP's E-step and the Kalman updates)."""
+        return type(self.likelihood) is GaussianLikelihood
 
     def derivatives(self, y: Tensor, mean: Tensor, variance: Tensor) -> tuple[Tensor, Tensor]:
         r"""
@@ -64,5 +80,16 @@ class LeanLikelihood:
     def __call__(self, y: Tensor, mean: Tensor, variance: Tensor) -> Tensor:
         """The expected log-likelihood of each target, ``(N,)``."""
         variance = variance.clamp_min(min_variance.value(variance.dtype))
+        if not self.is_gaussian:
+            return self._bernoulli(y, mean, variance)
         noise = self.likelihood.noise
         return -0.5 * (((y - mean).square() + variance) / noise + noise.log() + math.log(2.0 * math.pi))
+
+    def _bernoulli(self, y: Tensor, mean: Tensor, variance: Tensor) -> Tensor:
+        signs = torch.where((y == -1).any(), y, y * 2 - 1)  # GPyTorch reads {-1, 1} labels as given
+        quadrature = self.likelihood.quadrature
+        locations = quadrature.locations.view(-1, *[1] * mean.dim())
+        shifted = torch.sqrt(2.0 * variance) * locations + mean
+        log_probabilities = log_normal_cdf(shifted * signs)
+        weights = quadrature.weights.view(-1, *[1] * mean.dim())
+        return ((1 / math.sqrt(math.pi)) * (log_probabilities * weights)).sum(0)

@@ -16,6 +16,7 @@ update of the step needs of the forward pass besides the loss (t-SVGP's E-step:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -140,6 +141,37 @@ def svgp_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor
     _, interp, variance, q = _whitened_block(strategy, kernel, x)
     mean = prior_mean(x) + (q.mean.unsqueeze(-2) @ interp).squeeze(-2)
     return mean, variance, q.kl(), None
+
+
+def unwhitened_svgp_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: None):
+    r"""
+    GPyTorch's unwhitened SVGP (:class:`~gpytorch.variational.UnwhitenedVariationalStrategy` of a
+    :class:`~gpytorch.variational.CholeskyVariationalDistribution`, :math:`q(\mathbf u) = \mathcal N(\mathbf m,
+    \mathbf R\mathbf R^\top)` in the function's coordinates) in training mode: with :math:`\mathbf L` the factor of
+    :math:`\mathbf K_{\mathbf{uu}} + \epsilon\mathbf I`, :math:`\boldsymbol\delta = \mathbf m - \mu_0(\mathbf Z)`,
+    :math:`\mathbf W = \mathbf L^{-1}\mathbf K_{\mathbf u\mathbf x}` and :math:`[\mathbf d, \mathbf V] =
+    \mathbf L^{-1}[\boldsymbol\delta, \mathbf R]`, the marginals :math:`\mu_0(\mathbf x_n) + \mathbf d^\top
+    \mathbf w_n` and :math:`\lVert\mathbf V^\top\mathbf w_n\rVert^2 + \max(0, k(\mathbf x_n, \mathbf x_n) -
+    \lVert\mathbf w_n\rVert^2)` (no jitter on the data's variance, as GPyTorch), and
+    :math:`\mathrm{KL} = \tfrac12(\log\lvert\mathbf L\mathbf L^\top\rvert - \log\lvert\mathbf R\mathbf R^\top
+    \rvert + \lVert[\mathbf d, \mathbf V]\rVert_F^2 - M)`. Batch-generic as :func:`svgp_terms`. GPyTorch returns
+    :math:`q(\mathbf u)` itself for a batch equal to the inducing points; this function does not check for it.
+    """
+    z = strategy.inducing_points
+    distribution = strategy._variational_distribution
+    root = distribution.chol_variational_covar.tril()
+    factor = jittered_cholesky(add_to_diagonal(kernel(z, z), strategy.jitter_val), name="K_uu")
+    interp = solve_lower(factor, kernel(z, x))
+    difference = distribution.variational_mean - prior_mean(z)
+    coordinates = solve_lower(factor, torch.cat([difference.unsqueeze(-1), root], dim=-1))
+    products = coordinates.mT @ interp
+    mean = prior_mean(x) + products[..., 0, :]
+    data_variance = (kernel.diagonal(x) - interp.pow(2).sum(-2)).clamp(0, math.inf)
+    variance = products[..., 1:, :].pow(2).sum(-2) + data_variance
+    logdet_prior = 2.0 * factor.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    logdet_q = 2.0 * root.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)
+    kl = 0.5 * (logdet_prior - logdet_q + coordinates.pow(2).sum((-2, -1)) - z.size(-2))
+    return mean, variance, kl, None
 
 
 def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction, x: Tensor, draws: tuple | None):

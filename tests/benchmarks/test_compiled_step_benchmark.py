@@ -93,3 +93,31 @@ def test_compiled_recursive_step_tiny_run(tmp_path, capsys, recwarn):
     assert "first call" in capsys.readouterr().out
     # the compiled methods take the lean path (a fallback would time the eager step under the compiled name)
     assert not [warning for warning in recwarn if "not supported" in str(warning.message)]
+
+
+def test_compiled_step_with_a_bernoulli_likelihood(tmp_path):
+    # the labels and the likelihood reach the workers; configurations without a Bernoulli form and the peers are skipped
+    output = tmp_path / "compiled-step.json"
+    configs = ["gpytorch-svgp-adam", "ours-orthnat-lean", "ours-tsvgp-eager", "gpflow-svgp-adam"]
+    main(
+        ["compiled-step", "--num-inducing", "10", "--num-mean-inducing", "20", "--batch-size", "16",
+         "--num-batches", "3", "--seconds", "0.2", "--warmup", "1", "--rounds", "1", "--configs", *configs,
+         "--likelihood", "bernoulli", "--output", str(output)]
+    )  # fmt: skip
+    payload = json.loads(output.read_text())
+    assert set(payload["configurations"]) == {"gpytorch-svgp-adam", "ours-orthnat-lean"}
+    assert "Bernoulli" in payload["skipped"]["ours-tsvgp-eager"]
+    assert "Gaussian" in payload["skipped"]["gpflow-svgp-adam"]
+    assert payload["config"]["likelihood"] == "bernoulli"
+
+
+def test_worker_builds_bernoulli_models():
+    from benchmarks.compiled_step_worker import make_step
+
+    x = torch.randn(64, 3)
+    y = (x.sum(-1) > 0).float()
+    step = make_step("ours-svgp-natural-lean", x, y, x[:10].clone(), x[10:40].clone(), "bernoulli")
+    assert type(step.likelihood).__name__ == "BernoulliLikelihood" and step.fallback_reason is None
+    assert torch.isfinite(step(x[:16], y[:16]))
+    with pytest.raises(ValueError, match="Bernoulli"):
+        make_step("ours-vbks-lean", x, y, x[:10].clone(), x[10:40].clone(), "bernoulli")

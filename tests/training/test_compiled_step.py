@@ -32,6 +32,8 @@ FAMILIES = {
     "decoupled-sampled-kl": {"strategy": "decoupled", "distribution": "decoupled", "sampled_kl": True},
     "orthnat-sampled-kl": {"strategy": "odvgp", "distribution": "fast_natural", "sampled_kl": True},
     "hybrid-sampled-kl": {"strategy": "hybrid", "distribution": "cholesky", "sampled_kl": True},
+    "svgp-bernoulli": {"strategy": "svgp", "distribution": "fast_natural", "likelihood": "bernoulli"},
+    "orthnat-bernoulli": {"strategy": "odvgp", "distribution": "fast_natural", "likelihood": "bernoulli"},
 }
 
 

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from gpytorch_decoupled.optim import RecursiveGradientPropagation
 from gpytorch_decoupled.training import KernelSelectionStep, TrainingStep, compile_training_step
 from tests.recursive_problems import make_model, problem
-from tests.training.test_kernel_selection_step import N, _adam, _data, _model, _trained
+from tests.training.test_kernel_selection_step import FULL_RANK_SPACE, N, _adam, _data, _model, assert_steps_equal
 from tests.training.training_cases import make_case, optimizers
 
 pytestmark = [pytest.mark.inductor, pytest.mark.usefixtures("single_thread")]
@@ -106,14 +106,14 @@ def test_inductor_srgp_step_equals_eager():
         torch.testing.assert_close(value, statistic, rtol=1e-9, atol=1e-11)
 
 
-def test_inductor_kernel_selection_step_equals_eager():
-    # VBKS's step over every base kernel type, products and sums (the lean candidate bank) through Inductor.
+@pytest.mark.parametrize("posterior", [False, True], ids=["point", "hyperparameter-posterior"])
+def test_inductor_kernel_selection_step_equals_eager(posterior):
+    # VBKS's step over every base kernel type, products and sums (the lean candidate bank) through Inductor; with a
+    # hyperparameter posterior, the unwhitened sub-models at two draws through torch.func.functional_call.
     x, y = _data()
-    model, eager_model = _model(), _model()
+    options = {"space": FULL_RANK_SPACE, "hyperparameter_posterior": True, "num_hyperparameter_samples": 2}
+    model, eager_model = (_model(**(options if posterior else {})) for _ in range(2))
     compiled = KernelSelectionStep(model, _adam(model), N)
     eager = KernelSelectionStep(eager_model, _adam(eager_model), N, lean=False)
-    for index in range(3):
-        batch = slice(8 * index, 8 * index + 24)
-        torch.testing.assert_close(compiled(x[batch], y[batch]), eager(x[batch], y[batch]), rtol=1e-10, atol=1e-12)
-    for (name, value), (_, expected) in zip(_trained(model), _trained(eager_model), strict=True):
-        torch.testing.assert_close(value, expected, rtol=1e-9, atol=1e-10, msg=name)
+    batches = [slice(8 * i, 8 * i + 24) for i in range(3)]
+    assert_steps_equal(compiled, eager, x, y, batches, rtol=1e-10, parameter_rtol=1e-9)

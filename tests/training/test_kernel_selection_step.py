@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 
+import gpytorch
 import pytest
 import torch
 
@@ -17,6 +18,11 @@ from gpytorch_decoupled.training import KernelSelectionStep, LeanCandidateBank
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 SPACE = ["SE", "RQ", "PER", "LIN", "SE + PER×LIN", "(PER + RQ)×LIN", "SE×RQ×PER", "LIN×LIN"]
+# With a hyperparameter posterior the sub-models are unwhitened, and GPyTorch clamps each datum's variance
+# k(x, x) - k_xz K_zz^-1 k_zx at zero: for LIN and LIN×LIN (rank at most 3 < M) it is zero up to rounding, so which
+# side of the clamp it falls on, and the gradient through it, is rounding (both paths are right); these tests leave
+# them out.
+FULL_RANK_SPACE = [name for name in SPACE if name not in ("LIN", "LIN×LIN")]
 N, M, D = 60, 10, 2
 
 
@@ -27,17 +33,18 @@ def _data(seed=0):
     return x, y
 
 
-def _model(seed=0, **kwargs) -> KernelSelectionGP:
+def _model(seed=0, space=SPACE, **kwargs) -> KernelSelectionGP:
     """A generic point: random q(u_c), hyperparameters away from their defaults, ARD."""
     torch.manual_seed(seed)
     x, _ = _data()
-    model = KernelSelectionGP(SPACE, inducing_points=x[:M].clone(), ard_num_dims=D, **kwargs).double()
+    model = KernelSelectionGP(space, inducing_points=x[:M].clone(), ard_num_dims=D, **kwargs).double()
     model.kernel.set_base_hyperparameters("PER", period_length=1.3)
     with torch.no_grad():
         distribution = model.candidates.variational_strategy._variational_distribution
         distribution.variational_mean.normal_()
-        chol = distribution.chol_variational_covar
-        chol.copy_(torch.eye(M, dtype=torch.float64) * 0.5 + 0.05 * torch.randn_like(chol).tril())
+        if hasattr(distribution, "chol_variational_covar"):
+            chol = distribution.chol_variational_covar
+            chol.copy_(torch.eye(M, dtype=torch.float64) * 0.5 + 0.05 * torch.randn_like(chol).tril())
         for name, parameter in model.named_parameters():
             if not name.startswith(("kernel_belief", "candidates.variational_strategy")):
                 parameter.add_(0.3 * torch.randn_like(parameter))
@@ -52,6 +59,19 @@ def _adam(model, **options):
 
 def _trained(model) -> list[tuple[str, torch.Tensor]]:
     return [(name, p) for name, p in model.named_parameters() if not name.startswith("kernel_belief.")]
+
+
+def assert_steps_equal(step, eager, x, y, batches, rtol=1e-11, parameter_rtol=1e-10):
+    """Steps both on the same batches (and the same draws of a hyperparameter posterior), then compares the returned
+    local ELBOs and every trained parameter. LIN's K_uu has rank D < M (only the jitter makes it definite): rounding
+    differences grow to ~1e-11 in q(u), hence the parameters' absolute tolerance."""
+    for index, batch in enumerate(batches):
+        torch.manual_seed(index)
+        value = step(x[batch], y[batch])
+        torch.manual_seed(index)
+        torch.testing.assert_close(value, eager(x[batch], y[batch]), rtol=rtol, atol=rtol / 100)
+    for (name, value), (_, expected) in zip(_trained(step.model), _trained(eager.model), strict=True):
+        torch.testing.assert_close(value, expected, rtol=parameter_rtol, atol=1e-10, msg=name)
 
 
 @pytest.mark.parametrize("ard", [None, D], ids=["shared-lengthscale", "ard"])
@@ -86,7 +106,7 @@ def test_lean_local_elbo_terms_equal_the_models_values_and_gradients():
     step = KernelSelectionStep(model, _adam(model), N, compile=False)
     assert step.fallback_reason is None
     model.train()
-    terms = step.local_elbo_terms(x[:24], y[:24])
+    terms = step.lean(x[:24], y[:24], N)
     expected = model.local_elbo_terms(x[:24], y[:24], N)
     names, parameters = zip(*_trained(model))
     for value, reference in zip(terms, expected, strict=True):
@@ -106,7 +126,7 @@ def test_whole_step_is_one_graph():
     step = KernelSelectionStep(model, _adam(model), N, compile=False)
     rates = torch.full((1,), 0.01, dtype=torch.float64)
     with torch._dynamo.config.patch(trace_autograd_ops=True):
-        explanation = torch._dynamo.explain(step._lean_step)(x[:24], y[:24], rates)
+        explanation = torch._dynamo.explain(step._lean_step)(x[:24], y[:24], None, rates)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
 
@@ -117,12 +137,8 @@ def test_compiled_step_equals_eager_general_step(learn_inducing_locations):
     model, eager_model = (_model(learn_inducing_locations=learn_inducing_locations) for _ in range(2))
     compiled = KernelSelectionStep(model, _adam(model), N, backend="aot_eager")
     eager = KernelSelectionStep(eager_model, _adam(eager_model), N, lean=False)
-    for index in range(3):
-        batch = slice(8 * index, 8 * index + 24 - 4 * index)  # the batch size changes: one compilation serves all
-        torch.testing.assert_close(compiled(x[batch], y[batch]), eager(x[batch], y[batch]), rtol=1e-11, atol=1e-13)
-    # LIN's K_uu has rank D < M (only the jitter makes it definite): rounding differences grow to ~1e-11 in q(u)
-    for (name, value), (_, expected) in zip(_trained(model), _trained(eager_model), strict=True):
-        torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-10, msg=name)
+    # the batch size changes: one compilation serves all
+    assert_steps_equal(compiled, eager, x, y, [slice(8 * i, 8 * i + 24 - 4 * i) for i in range(3)])
     assert model.candidates.variational_strategy.inducing_points.requires_grad == learn_inducing_locations
 
 
@@ -160,10 +176,64 @@ def test_unsupported_steps_fall_back_to_eager(change, reason, recwarn):
     assert not torch.equal(model.kernel.base_kernels["SE"].raw_outputscale, before)
 
 
-def test_hyperparameter_posterior_falls_back_and_fit_does_not_warn(recwarn):
+def test_hyperparameter_posterior_terms_equal_the_models_values_and_gradients():
+    # The unwhitened sub-models at each draw of the hyperparameters (the same generator call as the model's own pass),
+    # averaged, plus KL[q(theta) || p(theta)]: the model's local ELBO terms and every gradient, the posterior's too.
     x, y = _data()
-    model = _model(hyperparameter_posterior=True)
-    with pytest.warns(UserWarning, match="hyperparameter posterior"):
+    model = _model(space=FULL_RANK_SPACE, hyperparameter_posterior=True, num_hyperparameter_samples=3)
+    with torch.no_grad():
+        model.hyperparameter_posterior.raw_scale_tril.add_(
+            0.1 * torch.randn_like(model.hyperparameter_posterior.raw_scale_tril)
+        )
+    step = KernelSelectionStep(model, _adam(model), N, compile=False)
+    assert step.fallback_reason is None
+    model.train()
+    torch.manual_seed(5)
+    terms = step.lean(x[:24], y[:24], N, step.lean.draws())
+    torch.manual_seed(5)
+    expected = model.local_elbo_terms(x[:24], y[:24], N)
+    names, parameters = zip(*_trained(model))
+    assert any(name.startswith("hyperparameter_posterior") for name in names)
+    for value, reference in zip(terms, expected, strict=True):
+        torch.testing.assert_close(value, reference, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(len(FULL_RANK_SPACE), dtype=torch.float64)
+    gradients = torch.autograd.grad(((terms[0] - terms[1]) * weights).sum(), parameters)
+    expected_gradients = torch.autograd.grad(((expected[0] - expected[1]) * weights).sum(), parameters)
+    for name, gradient, expected_gradient in zip(names, gradients, expected_gradients, strict=True):
+        assert (gradient - expected_gradient).abs().max() <= 1e-10 * expected_gradient.abs().max(), name
+
+
+def test_hyperparameter_posterior_step_is_one_graph_and_equals_eager():
+    x, y = _data()
+    options = {"space": FULL_RANK_SPACE, "hyperparameter_posterior": True, "num_hyperparameter_samples": 2}
+    explained, model, eager_model = (_model(**options) for _ in range(3))
+    step = KernelSelectionStep(explained, _adam(explained), N, compile=False)
+    rates = torch.full((1,), 0.01, dtype=torch.float64)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):  # explain runs the step: on a model of its own
+        explanation = torch._dynamo.explain(step._lean_step)(x[:24], y[:24], step.lean.draws(), rates)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = KernelSelectionStep(model, _adam(model), N, backend="aot_eager")
+    eager = KernelSelectionStep(eager_model, _adam(eager_model), N, lean=False)
+    assert_steps_equal(compiled, eager, x, y, [slice(8 * i, 8 * i + 24) for i in range(3)])
+    # a batch equal to the inducing points: GPyTorch's unwhitened strategy returns q(u) itself, the step takes it
+    z = model.candidates.variational_strategy.inducing_points.detach().clone()
+    torch.manual_seed(7)
+    value = compiled(z, y[:M])
+    torch.manual_seed(7)
+    torch.testing.assert_close(value, eager(z, y[:M]), rtol=1e-11, atol=1e-13)
+
+
+def test_other_sub_models_fall_back_and_fit_does_not_warn(recwarn):
+    x, y = _data()
+
+    def strategy(model, inducing_points, num_candidates):
+        distribution = gpytorch.variational.MeanFieldVariationalDistribution(
+            inducing_points.size(-2), batch_shape=torch.Size([num_candidates])
+        )
+        return gpytorch.variational.VariationalStrategy(model, inducing_points, distribution)
+
+    model = _model(variational_strategy=strategy)
+    with pytest.warns(UserWarning, match="MeanFieldVariationalDistribution"):
         KernelSelectionStep(model, _adam(model), N)
     recwarn.clear()
     model.fit(x, y, num_iterations=2, batch_size=20, progress=False)

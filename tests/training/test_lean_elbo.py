@@ -3,6 +3,8 @@ strategy, distribution, kernel, mean and likelihood; unsupported parts are named
 
 from __future__ import annotations
 
+import contextlib
+
 import gpytorch
 import pytest
 import torch
@@ -48,6 +50,31 @@ def test_strategies_match_general_path(strategy, distribution):
         return -mll(model(x), y)
 
     _assert_same(lean_loss, general_loss, parameters)
+
+
+@pytest.mark.parametrize(
+    "strategy, distribution",
+    [("svgp", "fast_natural"), ("svgp", "cholesky"), ("odvgp", "fast_natural"), ("hybrid", "cholesky")]
+    + [("decoupled", "decoupled")],
+)
+@pytest.mark.parametrize("labels", ["zero-one", "minus-one-one"])
+def test_bernoulli_likelihood_matches_general_path(strategy, distribution, labels):
+    # GPyTorch's quadrature of its log_normal_cdf (three approximations by the size of the argument), labels in
+    # {0, 1} or its deprecated {-1, 1}; the latent means are spread so that every approximation is taken.
+    model, likelihood, mll, x, y = make_case(strategy=strategy, distribution=distribution, likelihood="bernoulli")
+    with torch.no_grad():
+        model.mean_module.constant.fill_(-0.5)
+        model.covar_module.outputscale = 6.0
+    if labels == "minus-one-one":
+        y = 2 * y - 1
+    lean = LeanELBO.of(mll)
+    assert lean is not None, LeanELBO.unsupported(mll)
+    parameters = [*model.parameters(), *likelihood.parameters()]
+    latent = model(x)
+    arguments = (2 * y - 1 if labels == "zero-one" else y) * latent.mean
+    assert (arguments.pow(2) < 0.04).any() and (arguments < -1).any() and (arguments > 0.2).any()
+    with pytest.warns(DeprecationWarning) if labels == "minus-one-one" else contextlib.nullcontext():
+        _assert_same(lambda: lean(x, y, None), lambda: -mll(model(x), y), parameters)
 
 
 @pytest.mark.parametrize("kernel", ["rbf_ard", "matern32", "matern52", "rbf_unscaled"])
@@ -233,7 +260,10 @@ def test_unsupported_parts_are_named():
     model.covar_module.register_prior("outputscale_prior", gpytorch.priors.GammaPrior(2.0, 1.0), "outputscale")
     assert "prior" in LeanELBO.unsupported(mll)
     assert LeanLikelihood.of(gpytorch.likelihoods.StudentTLikelihood()) is None
-    assert LeanLikelihood.of(gpytorch.likelihoods.BernoulliLikelihood()) is None
+    assert LeanLikelihood.of(gpytorch.likelihoods.BernoulliLikelihood(), torch.Size([3])) is None
+    model, likelihood, mll, x, y = make_case(strategy="dual", distribution="dual", likelihood="bernoulli")
+    e_step = DualEStep(model, likelihood, num_data=40)
+    assert "BernoulliLikelihood" in LeanEStep.unsupported(e_step, mll)
 
 
 def test_model_forward_is_checked():
