@@ -210,10 +210,11 @@ class KernelSelectionGP(Module):
         (:meth:`fit_kernel_belief`). Call it again on more data to warm-start, as the paper's incremental protocol.
 
         The steps are :class:`~gpytorch_decoupled.training.KernelSelectionStep`'s: the lean tensor path where the
-        model is supported (the default sub-models, with point hyperparameters or a posterior), else GPyTorch's general path (with a
-        warning only when compiling was asked for). ``compile=True`` compiles the step with :func:`torch.compile` (one
-        graph, no break): the first step then takes tens of seconds, and from then on each costs about half what an
-        eager one does on a CPU (see the guide on compiling for measurements and when it pays).
+        model is supported (the default sub-models, with point hyperparameters or a posterior), else GPyTorch's
+        general path (with a warning only when compiling was asked for). ``compile=True`` compiles the step with
+        :func:`torch.compile` (one graph, no break): the first step then takes tens of seconds, and from then on each
+        costs about half what an eager one does on a CPU (see the guide on compiling for measurements and when it
+        pays).
 
         :param x: Training inputs, shape ``(n, d)``.
         :param y: Training targets, shape ``(n,)``.
