@@ -22,8 +22,8 @@ step on its parameters and Adam on the rest) is measured the same way, without a
 KernelSelectionStep`: the 15 kernels of at most one operator over SE, RQ and LIN with ARD, each its own whitened SVGP
 at the shared M = 200 inducing inputs, Adam): ``vbks_*_vs_eager`` and ``vbks_compiled_vs_gpytorch_svgp_adam``.
 ``--likelihood bernoulli`` times the same steps for binary classification (targets above the median are class 1,
-GPyTorch's probit ``BernoulliLikelihood``) for the configurations that take one (GPyTorch's SVGP, ours SVGP and
-OrthNat).
+GPyTorch's probit ``BernoulliLikelihood``) for the configurations that take one (GPyTorch's SVGP, ours SVGP, OrthNat
+and t-SVGP).
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--likelihood",
         choices=("gaussian", "bernoulli"),
         default="gaussian",
-        help="bernoulli: targets above the median are class 1, probit likelihood (GPyTorch's SVGP, ours SVGP and "
-        "OrthNat; the other configurations and the peers are skipped)",
+        help="bernoulli: targets above the median are class 1, probit likelihood (GPyTorch's SVGP, ours SVGP, "
+        "OrthNat and t-SVGP; the other configurations and the peers are skipped)",
     )
     parser.add_argument("--output", default=str(ROOT / "results" / "compiled-step.json"))
 

@@ -43,7 +43,7 @@ def make_step(config: str, train_x, train_y, inducing, mean_inducing, likelihood
     """The step function ``step(x, y)`` of a configuration: ``FAMILY-MODE`` with the modes above and ``graphs``
     (compiled with ``mode="reduce-overhead"``: CUDA graphs on a GPU), or ``gpytorch-svgp-adam`` /
     ``gpytorch-largebatch-adam`` (GPyTorch's own eager step with its ``VariationalStrategy`` /
-    ``LargeBatchVariationalStrategy``). ``likelihood="bernoulli"`` gives the SVGP and OrthNat configurations
+    ``LargeBatchVariationalStrategy``). ``likelihood="bernoulli"`` gives the SVGP, OrthNat and t-SVGP configurations
     GPyTorch's probit ``BernoulliLikelihood`` (the targets are labels), and refuses the others."""
     import gpytorch
 
@@ -55,7 +55,13 @@ def make_step(config: str, train_x, train_y, inducing, mean_inducing, likelihood
         family, mode = config, "general"
     classes = {}  # the likelihood of the methods that take one
     if likelihood == "bernoulli":
-        if family not in ("gpytorch-svgp-adam", "gpytorch-largebatch-adam", "ours-svgp-natural", "ours-orthnat"):
+        if family not in (
+            "gpytorch-svgp-adam",
+            "gpytorch-largebatch-adam",
+            "ours-svgp-natural",
+            "ours-orthnat",
+            "ours-tsvgp",
+        ):
             raise ValueError(f"{config} is not measured with a Bernoulli likelihood")
         classes = {"likelihood": gpytorch.likelihoods.BernoulliLikelihood()}
     if family in ("gpytorch-svgp-adam", "gpytorch-largebatch-adam", "ours-svgp-natural"):
@@ -112,7 +118,7 @@ def make_step(config: str, train_x, train_y, inducing, mean_inducing, likelihood
     elif family == "ours-tsvgp":
         from benchmarks.methods.dual_method import DualMethod
 
-        method = DualMethod(train_x, train_y, num_inducing=inducing.size(0), inducing_points=inducing)
+        method = DualMethod(train_x, train_y, num_inducing=inducing.size(0), inducing_points=inducing, **classes)
         if mode == "eager":
             return method.step
         lean = _lean_step(config, method.mll, method.step_optimizers, mode)

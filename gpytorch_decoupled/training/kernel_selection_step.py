@@ -149,7 +149,10 @@ class KernelSelectionStep:
         if reason is not None:
             return reason
         if LeanLikelihood.of(model.likelihood, torch.Size([model.num_candidates])) is None:
-            return f"the likelihood {type(model.likelihood).__name__} (supported: GaussianLikelihood with batch [C])"
+            return (
+                f"the likelihood {type(model.likelihood).__name__} (supported: GaussianLikelihood with batch [C], "
+                "BernoulliLikelihood)"
+            )
         if any(True for _ in model.named_priors()):
             return "a parameter has a prior (its log-density term is not part of the local ELBOs)"
         trained = {id(p) for name, p in model.named_parameters() if not name.startswith("kernel_belief.")}

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import torch
-from gpytorch.likelihoods import GaussianLikelihood
 from torch import Tensor
 
 from ..optim import DualEStep
@@ -21,8 +20,9 @@ class LeanEStep:
         g_{1,i} = \beta_i(\mu_i - \mu_0(\mathbf x_i)) + \alpha_i, \qquad g_{2,i} = \beta_i
         = \max\!\Big(-2\frac{\partial\mathrm{VE}_i}{\partial v_i}, \beta_{\min}\Big),
 
-    from the likelihood's derivatives in closed form (:meth:`~gpytorch_decoupled.training.LeanLikelihood.derivatives`),
-    and the damped site update of size :math:`r` with the unbiased scale :math:`n/B`, by the E-step's own functions
+    from the likelihood's derivatives (:meth:`~gpytorch_decoupled.training.LeanLikelihood.derivatives`: a Gaussian
+    likelihood's in closed form, a Bernoulli one's by autograd of its quadrature), and the damped site update of size
+    :math:`r` with the unbiased scale :math:`n/B`, by the E-step's own functions
     (:func:`~gpytorch_decoupled.optim.dual_e_step.site_targets`,
     :func:`~gpytorch_decoupled.optim.dual_e_step.updated_sites`): the same step as
     ``DualEStep.step(x, y)`` after the backward pass, the default schedule. The step size is read from the E-step's
@@ -53,8 +53,6 @@ class LeanEStep:
             mll.likelihood
         ):
             return "a DualEStep of another model or likelihood than the objective's"
-        if type(mll.likelihood) is not GaussianLikelihood:
-            return f"t-SVGP's E-step with a {type(mll.likelihood).__name__} (supported: GaussianLikelihood)"
         return None
 
     def lr(self) -> float:

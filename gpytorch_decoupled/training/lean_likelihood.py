@@ -55,8 +55,8 @@ class LeanLikelihood:
     def of(cls, likelihood: Likelihood, batch_shape: torch.Size = torch.Size()) -> LeanLikelihood | None:
         """The lean form of ``likelihood`` with batch shape ``batch_shape``, or None where it is not of a supported
         type or shape."""
-        if type(likelihood) is BernoulliLikelihood:
-            return cls(likelihood) if batch_shape == torch.Size() else None
+        if type(likelihood) is BernoulliLikelihood:  # no parameters: any batch of latents broadcasts
+            return cls(likelihood)
         if type(likelihood) is not GaussianLikelihood or likelihood.noise_covar.noise.shape != (*batch_shape, 1):
             return None
         return cls(likelihood)
@@ -69,13 +69,21 @@ class LeanLikelihood:
     def derivatives(self, y: Tensor, mean: Tensor, variance: Tensor) -> tuple[Tensor, Tensor]:
         r"""
         The derivatives of each target's expected log-likelihood with respect to :math:`\mu_n` and
-        :math:`\sigma_n^2`, :math:`(y_n - \mu_n)/\sigma_\epsilon^2` and :math:`-\tfrac12/\sigma_\epsilon^2`, in closed
-        form, as t-SVGP's E-step takes them for a Gaussian likelihood
-        (:meth:`~gpytorch_decoupled.variational.DualVariationalStrategy.site_targets`).
+        :math:`\sigma_n^2`, as t-SVGP's E-step takes them
+        (:meth:`~gpytorch_decoupled.variational.DualVariationalStrategy.site_targets`): for a Gaussian likelihood in
+        closed form, :math:`(y_n - \mu_n)/\sigma_\epsilon^2` and :math:`-\tfrac12/\sigma_\epsilon^2`; for a
+        Bernoulli one by :func:`torch.autograd.grad` of this expected log-likelihood (inside a compiled graph too),
+        as the E-step differentiates GPyTorch's.
         """
-        noise = self.likelihood.noise
-        mean_gradient = (y - mean) / noise
-        return mean_gradient, (-0.5 / noise).expand(mean_gradient.shape)
+        if self.is_gaussian:
+            noise = self.likelihood.noise
+            mean_gradient = (y - mean) / noise
+            return mean_gradient, (-0.5 / noise).expand(mean_gradient.shape)
+        mean = mean.detach().requires_grad_(True)
+        variance = variance.detach().requires_grad_(True)
+        with torch.enable_grad():
+            mean_gradient, variance_gradient = torch.autograd.grad(self(y, mean, variance).sum(), [mean, variance])
+        return mean_gradient, variance_gradient
 
     def __call__(self, y: Tensor, mean: Tensor, variance: Tensor) -> Tensor:
         """The expected log-likelihood of each target, ``(N,)``."""

@@ -30,6 +30,7 @@ from ..linalg import (
     data_landmark_residual,
     jittered_cholesky,
     landmark_blocks,
+    landmark_controlled_estimate,
     solve_lower,
     whitened_kl,
 )
@@ -184,7 +185,9 @@ def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction,
     (:meth:`~gpytorch_decoupled.linalg.LeanKernel.quadratic_form`); for a larger one, the strategy's own estimate from
     this step's drawn rows :math:`C` (``draws``: indices and probabilities, from :func:`_mean_basis_draws`), their
     values in the same product as :math:`[\beta; \mathbf x]`'s: with the control variate, :math:`\beta` and the batch
-    as landmarks (:func:`~gpytorch_decoupled.linalg.data_landmark_residual`), else the column-sampled estimate.
+    as landmarks (:func:`~gpytorch_decoupled.linalg.data_landmark_residual`) or, with ``kl_data_landmarks=False``,
+    :math:`\beta` alone (:func:`~gpytorch_decoupled.linalg.landmark_controlled_estimate`), else the column-sampled
+    estimate.
     """
     basis = strategy.mean_basis
     gamma, coefficients = basis.inducing_points, basis.coefficients
@@ -199,6 +202,12 @@ def _residual_mean_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction,
     if draws is None:
         quadratic_form = kernel.quadratic_form(gamma, coefficients)
         residual = quadratic_form - coordinates.pow(2).sum(-1)
+    elif basis.importance_sampling and not strategy.kl_data_landmarks:  # beta alone as landmarks
+        indices, probabilities = draws
+        residual = landmark_controlled_estimate(
+            coefficients[..., indices], row_values[0], kernel(drawn, beta), coordinates, factor, probabilities
+        )
+        quadratic_form = coordinates.pow(2).sum(-1) + residual
     elif basis.importance_sampling:  # R = a^T K a - ||c||^2, with beta and the batch as landmarks
         indices, probabilities = draws
         landmark_covariance, row_block = landmark_blocks(kernel(stacked, stacked), beta.size(-2), indices.numel())
@@ -320,9 +329,6 @@ def _supports_residual_mean(strategy) -> str | None:
         return f"{name} (supported: FastNaturalVariationalDistribution, CholeskyVariationalDistribution)"
     # Run eagerly, the lean path sweeps its products in tiles as the general path does; compiled, it forms the block
     # of beta, the drawn rows and the batch by the basis densely.
-    basis = strategy.mean_basis
-    if basis.importance_sampling and not strategy.kl_data_landmarks and not basis.exact_in_training():
-        return "a control-variate KL estimate with beta alone as landmarks (kl_data_landmarks=False)"
     return None
 
 

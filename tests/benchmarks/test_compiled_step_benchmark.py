@@ -98,7 +98,7 @@ def test_compiled_recursive_step_tiny_run(tmp_path, capsys, recwarn):
 def test_compiled_step_with_a_bernoulli_likelihood(tmp_path):
     # the labels and the likelihood reach the workers; configurations without a Bernoulli form and the peers are skipped
     output = tmp_path / "compiled-step.json"
-    configs = ["gpytorch-svgp-adam", "ours-orthnat-lean", "ours-tsvgp-eager", "gpflow-svgp-adam"]
+    configs = ["gpytorch-svgp-adam", "ours-orthnat-lean", "ours-decoupled-eager", "gpflow-svgp-adam"]
     main(
         ["compiled-step", "--num-inducing", "10", "--num-mean-inducing", "20", "--batch-size", "16",
          "--num-batches", "3", "--seconds", "0.2", "--warmup", "1", "--rounds", "1", "--configs", *configs,
@@ -106,7 +106,7 @@ def test_compiled_step_with_a_bernoulli_likelihood(tmp_path):
     )  # fmt: skip
     payload = json.loads(output.read_text())
     assert set(payload["configurations"]) == {"gpytorch-svgp-adam", "ours-orthnat-lean"}
-    assert "Bernoulli" in payload["skipped"]["ours-tsvgp-eager"]
+    assert "Bernoulli" in payload["skipped"]["ours-decoupled-eager"]
     assert "Gaussian" in payload["skipped"]["gpflow-svgp-adam"]
     assert payload["config"]["likelihood"] == "bernoulli"
 

@@ -32,8 +32,11 @@ FAMILIES = {
     "decoupled-sampled-kl": {"strategy": "decoupled", "distribution": "decoupled", "sampled_kl": True},
     "orthnat-sampled-kl": {"strategy": "odvgp", "distribution": "fast_natural", "sampled_kl": True},
     "hybrid-sampled-kl": {"strategy": "hybrid", "distribution": "cholesky", "sampled_kl": True},
+    "orthnat-beta-landmarks": {"strategy": "odvgp", "distribution": "fast_natural", "sampled_kl": True}
+    | {"kl_data_landmarks": False},
     "svgp-bernoulli": {"strategy": "svgp", "distribution": "fast_natural", "likelihood": "bernoulli"},
     "orthnat-bernoulli": {"strategy": "odvgp", "distribution": "fast_natural", "likelihood": "bernoulli"},
+    "tsvgp-bernoulli": {"strategy": "dual", "distribution": "dual", "likelihood": "bernoulli"},
 }
 
 

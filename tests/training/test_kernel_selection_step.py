@@ -120,6 +120,25 @@ def test_lean_local_elbo_terms_equal_the_models_values_and_gradients():
         assert (gradient - expected_gradient).abs().max() <= 1e-10 * scale, name
 
 
+def test_bernoulli_likelihood_terms_equal_the_models():
+    # VBKS for classification: every candidate's quadrature of GPyTorch's log Phi, labels in {0, 1}
+    x, y = _data()
+    labels = (y > 0).to(y.dtype)
+    model = _model(likelihood=gpytorch.likelihoods.BernoulliLikelihood())
+    step = KernelSelectionStep(model, _adam(model), N, compile=False)
+    assert step.fallback_reason is None
+    model.train()
+    terms = step.lean(x[:24], labels[:24], N)
+    expected = model.local_elbo_terms(x[:24], labels[:24], N)
+    for value, reference in zip(terms, expected, strict=True):
+        torch.testing.assert_close(value, reference, rtol=1e-12, atol=1e-12)
+    names, parameters = zip(*_trained(model))
+    gradients = torch.autograd.grad((terms[0] - terms[1]).sum(), parameters)
+    expected_gradients = torch.autograd.grad((expected[0] - expected[1]).sum(), parameters)
+    for name, gradient, expected_gradient in zip(names, gradients, expected_gradients, strict=True):
+        assert (gradient - expected_gradient).abs().max() <= 1e-10 * expected_gradient.abs().max(), name
+
+
 def test_whole_step_is_one_graph():
     x, y = _data()
     model = _model(learn_inducing_locations=True)

@@ -34,6 +34,7 @@ class CaseModel(gpytorch.models.ApproximateGP):
         gamma=None,
         jacobi=False,
         sampled_kl=False,
+        kl_data_landmarks=True,
     ):
         q = (
             FastNaturalVariationalDistribution(z.size(0))
@@ -53,7 +54,9 @@ class CaseModel(gpytorch.models.ApproximateGP):
             variational_strategy = gpytorch.variational.VariationalStrategy(self, z, q)
         else:
             cls = OrthogonallyDecoupledVariationalStrategy if strategy == "odvgp" else HybridVariationalStrategy
-            variational_strategy = cls(self, z, q, gamma, num_kl_columns=5, exact_kl_size=exact_kl_size)
+            variational_strategy = cls(
+                self, z, q, gamma, num_kl_columns=5, exact_kl_size=exact_kl_size, kl_data_landmarks=kl_data_landmarks
+            )
         super().__init__(variational_strategy)
         self.mean_module = gpytorch.means.ConstantMean() if mean == "constant" else gpytorch.means.ZeroMean()
         dims = z.size(-1)
