@@ -47,7 +47,8 @@ class KernelSelectionStep:
     :func:`~gpytorch_decoupled.training.lean_strategies.svgp_terms` or
     :func:`~gpytorch_decoupled.training.lean_strategies.unwhitened_svgp_terms`, the expected log-likelihood by
     :class:`~gpytorch_decoupled.training.LeanLikelihood`; the gradients by :func:`torch.autograd.grad` and the update
-    by :func:`~gpytorch_decoupled.training.optimizer_updates.optimizer_update` (:class:`torch.optim.Adam`). Anything
+    by :func:`~gpytorch_decoupled.training.optimizer_updates.optimizer_update` (:class:`torch.optim.Adam` or
+    :class:`torch.optim.SGD`). Anything
     else (another strategy or likelihood, priors on parameters, another optimizer, ``lean=False``) takes the eager step
     on GPyTorch's general path, with one warning naming the reason (:attr:`fallback_reason`); so does a mini-batch
     equal to the inducing points with a hyperparameter posterior (GPyTorch's unwhitened strategy then returns
@@ -128,8 +129,8 @@ class KernelSelectionStep:
         reason = unsupported_torch() or unsupported_optimizer(optimizer)
         if reason is not None:
             return reason
-        if type(optimizer) is not torch.optim.Adam:
-            return f"{type(optimizer).__name__} (supported: torch.optim.Adam)"
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.SGD):
+            return f"{type(optimizer).__name__} (supported: torch.optim.Adam, torch.optim.SGD)"
         candidates = model.candidates
         strategy = candidates.variational_strategy
         if type(candidates) is not CandidateBankGP or type(candidates.mean_module) is not ConstantMean:

@@ -8,7 +8,8 @@ own eager step (the same arithmetic, the same state in ``optimizer.state``), so 
 compiled region at every step (:func:`group_rates`), so that a learning-rate scheduler changes no constant of the graph
 and never recompiles it; :class:`~gpytorch_decoupled.optim.MeanBasisAdam`'s rate is divided there by its function
 scale, estimated from random kernel evaluations, as its ``step()`` computes it. The other hyperparameters (Adam's
-``betas``, ``eps``, ``weight_decay``, ``maximize``, NGD's ``num_data``) are constants of the graph: changing one
+``betas``, ``eps``, ``weight_decay``, ``maximize``, SGD's ``momentum``, ``nesterov``, ``weight_decay``, NGD's
+``num_data``) are constants of the graph: changing one
 recompiles the step once per new value (and after ``torch._dynamo.config.recompile_limit`` values the step runs
 eagerly).
 """
@@ -46,7 +47,21 @@ def unsupported_optimizer(optimizer) -> str | None:
             if any(parameter.is_complex() for parameter in group["params"]):
                 return "torch.optim.Adam with complex parameters"
         return None
-    return f"{type(optimizer).__name__} (supported: torch.optim.Adam, gpytorch.optim.NGD, MeanBasisAdam, DualEStep)"
+    if type(optimizer) is torch.optim.SGD:
+        for group in optimizer.param_groups:
+            if group["differentiable"] or group["fused"] or isinstance(group["lr"], Tensor):
+                return "torch.optim.SGD with differentiable=True, fused=True or a tensor lr"
+            if group["momentum"] != 0 and group["dampening"] != 0:
+                # its first step copies the gradient into the momentum buffer: a zero buffer is the same only
+                # without dampening
+                return "torch.optim.SGD with momentum and dampening"
+            if any(parameter.is_complex() for parameter in group["params"]):
+                return "torch.optim.SGD with complex parameters"
+        return None
+    return (
+        f"{type(optimizer).__name__} (supported: torch.optim.Adam, torch.optim.SGD, gpytorch.optim.NGD, MeanBasisAdam, "
+        "DualEStep)"
+    )
 
 
 def group_rates(optimizer, function_scales: Sequence[Tensor] | None = None) -> list[float]:
@@ -90,6 +105,8 @@ def optimizer_update(optimizer, positions: list[list[int]], kernel: LeanKernel |
         update = _ngd_update(optimizer.param_groups, optimizer.num_data, positions)
     elif type(optimizer) is MeanBasisAdam:
         update = _mean_basis_adam_update(optimizer, positions, kernel)
+    elif type(optimizer) is torch.optim.SGD:
+        update = _sgd_update(optimizer.param_groups, optimizer.state, positions)
     else:
         update = _adam_update(optimizer.param_groups, optimizer.state, positions)
     update.sources = (optimizer.param_groups, optimizer.state)
@@ -210,6 +227,40 @@ def _ngd_update(param_groups: list[dict], num_data: int, positions: list[list[in
                 if gradients[index] is not None:
                     # through a flat view: see _adam_parameter_update
                     parameter.view(-1).sub_(gradients[index].reshape(-1) * step)
+
+    return update
+
+
+def _sgd_update(param_groups: list[dict], states: dict, positions: list[list[int]]) -> Update:
+    r""":class:`torch.optim.SGD`'s step (its single-tensor loop: L2 weight decay, momentum, Nesterov, ``maximize``).
+    The momentum buffer is created here as zeros where the optimizer has none: SGD's first step copies the gradient
+    into it, which a zero buffer without dampening (:func:`unsupported_optimizer`) gives as well."""
+    for group in param_groups:
+        if group["momentum"] != 0:
+            for parameter in group["params"]:
+                state = states[parameter]
+                if state.get("momentum_buffer") is None:
+                    state["momentum_buffer"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+
+    def update(gradients: Sequence[Tensor | None], rates: Tensor, curvature=None) -> None:
+        for number, indices in enumerate(positions):
+            group = param_groups[number]
+            momentum = group["momentum"]
+            for parameter, index in zip(group["params"], indices):
+                gradient = gradients[index]
+                if gradient is None:
+                    continue
+                # through flat views: see _adam_parameter_update
+                gradient = gradient.reshape(-1)
+                if group["maximize"]:
+                    gradient = -gradient
+                if group["weight_decay"] != 0:
+                    gradient = gradient.add(parameter.view(-1), alpha=group["weight_decay"])
+                if momentum != 0:
+                    buffer = states[parameter]["momentum_buffer"].view(-1)
+                    buffer.mul_(momentum).add_(gradient, alpha=1 - group["dampening"])
+                    gradient = gradient.add(buffer, alpha=momentum) if group["nesterov"] else buffer
+                parameter.view(-1).sub_(gradient * rates[number])
 
     return update
 

@@ -29,8 +29,8 @@ class RecursiveTrainingStep:
     freely, and returns what ``srgp.step(x, y)`` returns, to float rounding.
 
     * **Supported** (:attr:`fallback_reason` is None): the model's prior as
-      :class:`~gpytorch_decoupled.training.LeanKalmanBlocks` computes it, an optimizer
-      :class:`torch.optim.Adam` (as :func:`~gpytorch_decoupled.training.compile_training_step` supports it), and
+      :class:`~gpytorch_decoupled.training.LeanKalmanBlocks` computes it, an optimizer :class:`torch.optim.Adam` or
+      :class:`torch.optim.SGD` (as :func:`~gpytorch_decoupled.training.compile_training_step` supports them), and
       for ``propagate="full"`` or ``"hyperparameters"`` the VFE or DTC model, whose increments' Jacobians come from
       the tangents of the kernel block alone (FITC, PITC and PEP propagate them through whole increments in forward
       mode, through the jittered Cholesky factor's custom forward-mode rule, which Dynamo does not trace; with
@@ -264,8 +264,8 @@ def _unsupported(srgp: RecursiveGradientPropagation) -> str | None:
     reason = unsupported_torch() or LeanKalmanBlocks.unsupported(srgp.strategy.model, srgp.strategy.likelihood)
     if reason is not None:
         return reason
-    if type(srgp.optimizer) is not torch.optim.Adam:
-        return f"SRGP with {type(srgp.optimizer).__name__} (supported: torch.optim.Adam)"
+    if type(srgp.optimizer) not in (torch.optim.Adam, torch.optim.SGD):
+        return f"SRGP with {type(srgp.optimizer).__name__} (supported: torch.optim.Adam, torch.optim.SGD)"
     reason = unsupported_optimizer(srgp.optimizer)
     if reason is not None:
         return reason

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from gpytorch_decoupled.optim import DualEStep, RecursiveGradientPropagation
-from gpytorch_decoupled.training import TrainingStep, compile_training_step
+from gpytorch_decoupled.training import TrainingStep, compile_training_step, eager_training_step
 from gpytorch_decoupled.validation import checks_target_values
 from tests.training.training_cases import make_case, optimizers
 
@@ -283,12 +283,41 @@ def test_torch_older_than_2_11_falls_back_to_eager_with_a_warning(monkeypatch):
             assert "torch 2.10.1" in compile_training_step(compiled).fallback_reason
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"momentum": 0.9}, {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}, {"maximize": True}],
+    ids=["plain", "momentum", "nesterov-weight-decay", "maximize"],
+)
+def test_sgd_step_equals_eager(options):
+    # SGD's momentum buffers start as zeros, which its first step (a copy of the gradient) gives without dampening
+    steps = []
+    for _ in range(2):
+        model, likelihood, mll, _, x, y = _training(FAMILIES["svgp-cholesky"])
+        sgd = torch.optim.SGD([*model.parameters(), *likelihood.parameters()], lr=0.01, **options)
+        steps.append((model, likelihood, sgd, mll))
+    (model, likelihood, sgd, mll), (eager_model, eager_likelihood, eager_sgd, eager_mll) = steps
+    compiled = compile_training_step(mll, [sgd], backend="aot_eager")
+    eager = TrainingStep(eager_mll, [eager_sgd], lean=False)
+    assert compiled.fallback_reason is None
+    for index in range(3):
+        batch = slice(8 * index, 8 * index + 24)
+        torch.testing.assert_close(compiled(x[batch], y[batch]), eager(x[batch], y[batch]), rtol=1e-11, atol=0)
+    # the momentum buffers are SGD's own: its eager step follows the compiled ones
+    eager_training_step(mll, [sgd], x[:24], y[:24])
+    eager(x[:24], y[:24])
+    for value, expected in zip(_state(model, likelihood), _state(eager_model, eager_likelihood), strict=True):
+        torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
+
+
 def test_unsupported_optimizer_falls_back():
     model, likelihood, mll, opts, x, y = _training(FAMILIES["svgp-cholesky"])
-    sgd = torch.optim.SGD([*model.parameters(), *likelihood.parameters()], lr=0.01)
-    with pytest.warns(UserWarning, match="SGD"):
-        step = compile_training_step(mll, [sgd])
+    rmsprop = torch.optim.RMSprop([*model.parameters(), *likelihood.parameters()], lr=0.01)
+    with pytest.warns(UserWarning, match="RMSprop"):
+        step = compile_training_step(mll, [rmsprop])
     assert step(x, y).isfinite()
+    dampened = torch.optim.SGD([*model.parameters(), *likelihood.parameters()], lr=0.01, momentum=0.9, dampening=0.1)
+    with pytest.warns(UserWarning, match="dampening"):
+        compile_training_step(mll, [dampened])
 
 
 def test_parameter_in_two_optimizers_is_refused():

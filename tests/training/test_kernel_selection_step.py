@@ -13,7 +13,7 @@ import torch
 
 from gpytorch_decoupled.kernels import CandidateKernelBank
 from gpytorch_decoupled.models import KernelSelectionGP
-from gpytorch_decoupled.training import KernelSelectionStep, LeanCandidateBank
+from gpytorch_decoupled.training import KernelSelectionStep, LeanCandidateBank, compile_training_step
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -176,12 +176,12 @@ def test_first_step_initializes_q_u_as_the_general_path():
 @pytest.mark.parametrize(
     "change, reason",
     [
-        (lambda model: {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}, "SGD"),
+        (lambda model: {"optimizer": torch.optim.RMSprop(model.parameters(), lr=0.1)}, "RMSprop"),
         (lambda model: {"optimizer": _adam(model, amsgrad=True)}, "amsgrad"),
         (lambda model: {"optimizer": torch.optim.Adam(model.parameters())}, "other than the candidates'"),
         (lambda model: {"lean": False}, "lean=False"),
     ],
-    ids=["sgd", "amsgrad", "kernel-belief", "lean-false"],
+    ids=["rmsprop", "amsgrad", "kernel-belief", "lean-false"],
 )
 def test_unsupported_steps_fall_back_to_eager(change, reason, recwarn):
     x, y = _data()
@@ -327,3 +327,26 @@ def test_fit_compiled_equals_fit_eager():
     with pytest.raises(TypeError, match="compile=False"):
         model.fit(x, y, num_iterations=1, progress=False, backend="aot_eager")
     assert math.isfinite(float(model.local_elbo_estimates.sum()))
+
+
+def test_sgd_step_equals_eager():
+    x, y = _data()
+    model, eager_model = _model(), _model()
+    options = {"lr": 1e-3, "momentum": 0.9, "nesterov": True}
+    parameters = [[p for _, p in _trained(m)] for m in (model, eager_model)]
+    step = KernelSelectionStep(model, torch.optim.SGD(parameters[0], **options), N, backend="aot_eager")
+    assert step.fallback_reason is None
+    eager = KernelSelectionStep(eager_model, torch.optim.SGD(parameters[1], **options), N, lean=False)
+    assert_steps_equal(step, eager, x, y, [slice(8 * i, 8 * i + 24) for i in range(3)])
+
+
+def test_compile_training_step_builds_the_kernel_selection_step():
+    model = _model()
+    adam = _adam(model)
+    step = compile_training_step(model, adam, num_data=N, backend="aot_eager")
+    assert isinstance(step, KernelSelectionStep) and step.compiled and step.fallback_reason is None
+    assert isinstance(compile_training_step(model, [adam], num_data=N, backend="aot_eager"), KernelSelectionStep)
+    with pytest.raises(TypeError, match="num_data=n"):
+        compile_training_step(model, adam)
+    with pytest.raises(TypeError, match="num_data is for a KernelSelectionGP"):
+        compile_training_step(gpytorch.mlls.VariationalELBO(model.likelihood, model.candidates, N), [adam], num_data=N)
