@@ -46,17 +46,16 @@ class KernelSelectionStep:
     :class:`~gpytorch_decoupled.training.LeanCandidateBank`, the batched SVGP terms by
     :func:`~gpytorch_decoupled.training.lean_strategies.svgp_terms` or
     :func:`~gpytorch_decoupled.training.lean_strategies.unwhitened_svgp_terms`, the expected log-likelihood by
-    :class:`~gpytorch_decoupled.training.LeanLikelihood`; the gradients by :func:`torch.autograd.grad` and the update
-    by :func:`~gpytorch_decoupled.training.optimizer_updates.optimizer_update` (:class:`torch.optim.Adam` or
-    :class:`torch.optim.SGD`). Anything
-    else (another strategy or likelihood, priors on parameters, another optimizer, ``lean=False``) takes the eager step
-    on GPyTorch's general path, with one warning naming the reason (:attr:`fallback_reason`); so does a mini-batch
-    equal to the inducing points with a hyperparameter posterior (GPyTorch's unwhitened strategy then returns
-    :math:`q(\mathbf u)` itself). Outside the compiled region: training mode, :math:`q(\mathbf u)`'s initialization
-    on the first step (as GPyTorch's), the posterior's draws, the inputs' checks (before anything changes) and the
-    loss's finiteness (a ``RuntimeError`` after the step). CUDA graphs (``mode="reduce-overhead"`` on a GPU) are
-    prepared as :class:`~gpytorch_decoupled.training.TrainingStep` prepares them (static addresses of the optimizer's
-    state and the model's buffers, the returned estimates copied).
+    :class:`~gpytorch_decoupled.training.LeanLikelihood`; the gradients by :func:`torch.autograd.grad` and the update by
+    :func:`~gpytorch_decoupled.training.optimizer_updates.optimizer_update` (:class:`torch.optim.Adam` or
+    :class:`torch.optim.SGD`). Anything else (another strategy or likelihood, priors on parameters, another optimizer,
+    ``lean=False``) takes the eager step on GPyTorch's general path, with one warning naming the reason
+    (:attr:`fallback_reason`); so does a mini-batch equal to the inducing points with a hyperparameter posterior
+    (GPyTorch's unwhitened strategy then returns :math:`q(\mathbf u)` itself). Outside the compiled region: training
+    mode, :math:`q(\mathbf u)`'s initialization on the first step (as GPyTorch's), the posterior's draws, the inputs'
+    checks (before anything changes) and the loss's finiteness (a ``RuntimeError`` after the step). CUDA graphs
+    (``mode="reduce-overhead"`` on a GPU) are prepared as :class:`~gpytorch_decoupled.training.TrainingStep` prepares
+    them (static addresses of the optimizer's state and the model's buffers, the returned estimates copied).
 
     :param model: The model.
     :param optimizer: Steps the model's parameters (not the kernel belief's, which :meth:`fit_kernel_belief` fits).
