@@ -98,9 +98,8 @@ class HyperparameterPosterior(Module):
     def standard_normal_draws(self, num_samples: int, generator: torch.Generator | None = None) -> Tensor:
         r"""The draws :math:`\varepsilon \sim \mathcal N(\mathbf 0, \mathbf I)` of :meth:`sample`, shape
         ``(num_samples, C, P_max)`` (drawn apart from the offsets, e.g. before a compiled training step)."""
-        shape = self.raw_scale_tril.shape[:-1]
         raw = self.raw_scale_tril
-        return torch.randn(num_samples, *shape, generator=generator, dtype=raw.dtype, device=raw.device)
+        return torch.randn(num_samples, *raw.shape[:-1], generator=generator, dtype=raw.dtype, device=raw.device)
 
     def offsets(self, draws: Tensor) -> dict[str, Tensor]:
         r"""The offsets :math:`C_\theta\varepsilon` of draws of :meth:`standard_normal_draws`, by name."""

@@ -112,24 +112,24 @@ def whitened_q(distribution) -> WhitenedQ:
     return WhitenedQ(distribution.variational_mean, None, root, logdet)
 
 
-def _whitened_block(
-    strategy, kernel: LeanKernel, x: Tensor, data_cross: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor, WhitenedQ]:
+def _inducing_block(strategy, kernel: LeanKernel, x: Tensor) -> tuple[Tensor, Tensor]:
+    r"""The factor :math:`\mathbf L` of :math:`\mathbf K_{\mathbf{uu}} + \epsilon\mathbf I` (float64, escalating
+    jitter) and :math:`\mathbf W = \mathbf L^{-1}\mathbf K_{\mathbf u\mathbf x}`, as GPyTorch's strategies factor
+    them."""
+    z = strategy.inducing_points
+    factor = jittered_cholesky(add_to_diagonal(kernel(z, z), strategy.jitter_val), name="K_uu")
+    return factor, solve_lower(factor, kernel(z, x))
+
+
+def _whitened_block(strategy, kernel: LeanKernel, x: Tensor) -> tuple[Tensor, Tensor, Tensor, WhitenedQ]:
     r"""
-    GPyTorch's whitened SVGP block: the factor :math:`\mathbf L` of :math:`\mathbf K_{\mathbf{uu}} + \epsilon\mathbf I`
-    (float64, escalating jitter), :math:`\mathbf W = \mathbf L^{-1}\mathbf K_{\mathbf u\mathbf x}`, the marginal
+    GPyTorch's whitened SVGP block: :func:`_inducing_block`'s :math:`\mathbf L` and :math:`\mathbf W`, the marginal
     variances :math:`k(\mathbf x_n, \mathbf x_n) + \epsilon + \mathbf w_n^\top(\mathbf S - \mathbf I)\mathbf w_n` and
     :math:`q(\mathbf u)`.
     """
-    z = strategy.inducing_points
     q = whitened_q(strategy._variational_distribution)
-    jitter = strategy.jitter_val
-    prior = kernel(z, z)
-    prior = add_to_diagonal(prior, jitter)
-    factor = jittered_cholesky(prior, name="K_uu")
-    cross = kernel(z, x) if data_cross is None else data_cross
-    interp = solve_lower(factor, cross)
-    variance = kernel.diagonal(x) + jitter + q.excess_variances(interp)
+    factor, interp = _inducing_block(strategy, kernel, x)
+    variance = kernel.diagonal(x) + strategy.jitter_val + q.excess_variances(interp)
     return factor, interp, variance, q
 
 
@@ -159,19 +159,17 @@ def unwhitened_svgp_terms(strategy, kernel: LeanKernel, prior_mean: MeanFunction
     :math:`q(\mathbf u)` itself for a batch equal to the inducing points; this function does not check for it.
     """
     z = strategy.inducing_points
-    distribution = strategy._variational_distribution
-    root = distribution.chol_variational_covar.tril()
-    factor = jittered_cholesky(add_to_diagonal(kernel(z, z), strategy.jitter_val), name="K_uu")
-    interp = solve_lower(factor, kernel(z, x))
-    difference = distribution.variational_mean - prior_mean(z)
-    coordinates = solve_lower(factor, torch.cat([difference.unsqueeze(-1), root], dim=-1))
+    # the Cholesky distribution's mean, root and log-determinant, here in the function's coordinates
+    q = whitened_q(strategy._variational_distribution)
+    factor, interp = _inducing_block(strategy, kernel, x)
+    difference = q.mean - prior_mean(z)
+    coordinates = solve_lower(factor, torch.cat([difference.unsqueeze(-1), q.root], dim=-1))
     products = coordinates.mT @ interp
     mean = prior_mean(x) + products[..., 0, :]
     data_variance = (kernel.diagonal(x) - interp.pow(2).sum(-2)).clamp(0, math.inf)
     variance = products[..., 1:, :].pow(2).sum(-2) + data_variance
     logdet_prior = 2.0 * factor.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-    logdet_q = 2.0 * root.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)
-    kl = 0.5 * (logdet_prior - logdet_q + coordinates.pow(2).sum((-2, -1)) - z.size(-2))
+    kl = 0.5 * (logdet_prior - q.logdet + coordinates.pow(2).sum((-2, -1)) - z.size(-2))
     return mean, variance, kl, None
 
 

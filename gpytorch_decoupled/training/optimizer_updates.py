@@ -36,32 +36,37 @@ Update = Callable[[Sequence[Tensor | None], Tensor, DecoupledCurvature | None], 
 
 def unsupported_optimizer(optimizer) -> str | None:
     """Why the compiled step cannot apply ``optimizer``'s update, or None when it can."""
-    if type(optimizer) is gpytorch.optim.NGD:
+    kind = type(optimizer)
+    if kind is gpytorch.optim.NGD:
         return None
-    if type(optimizer) in (torch.optim.Adam, MeanBasisAdam):
-        for group in optimizer.param_groups:
-            if group["differentiable"] or group["fused"] or group["amsgrad"] or isinstance(group["lr"], Tensor):
-                return "torch.optim.Adam with amsgrad=True, differentiable=True, fused=True or a tensor lr"
-            if group.get("decoupled_weight_decay", False):
-                return "torch.optim.Adam with decoupled_weight_decay=True"
-            if any(parameter.is_complex() for parameter in group["params"]):
-                return "torch.optim.Adam with complex parameters"
-        return None
-    if type(optimizer) is torch.optim.SGD:
-        for group in optimizer.param_groups:
-            if group["differentiable"] or group["fused"] or isinstance(group["lr"], Tensor):
-                return "torch.optim.SGD with differentiable=True, fused=True or a tensor lr"
-            if group["momentum"] != 0 and group["dampening"] != 0:
-                # its first step copies the gradient into the momentum buffer: a zero buffer is the same only
-                # without dampening
-                return "torch.optim.SGD with momentum and dampening"
-            if any(parameter.is_complex() for parameter in group["params"]):
-                return "torch.optim.SGD with complex parameters"
-        return None
-    return (
-        f"{type(optimizer).__name__} (supported: torch.optim.Adam, torch.optim.SGD, gpytorch.optim.NGD, MeanBasisAdam, "
-        "DualEStep)"
-    )
+    if kind not in (torch.optim.Adam, MeanBasisAdam, torch.optim.SGD):
+        return (
+            f"{kind.__name__} (supported: torch.optim.Adam, torch.optim.SGD, gpytorch.optim.NGD, MeanBasisAdam, "
+            "DualEStep)"
+        )
+    name = "torch.optim.SGD" if kind is torch.optim.SGD else "torch.optim.Adam"
+    for group in optimizer.param_groups:
+        option = _unsupported_option(kind, group)
+        if option is not None:
+            return f"{name} with {option}"
+    return None
+
+
+def _unsupported_option(kind: type, group: dict) -> str | None:
+    """The option of a parameter group of an Adam or SGD optimizer whose update the compiled step does not reproduce,
+    or None."""
+    if group["differentiable"] or group["fused"] or isinstance(group["lr"], Tensor):
+        return "differentiable=True, fused=True or a tensor lr"
+    if any(parameter.is_complex() for parameter in group["params"]):
+        return "complex parameters"
+    if kind is torch.optim.SGD:
+        # its first step copies the gradient into the momentum buffer: a zero buffer is the same only without dampening
+        return "momentum and dampening" if group["momentum"] != 0 and group["dampening"] != 0 else None
+    if group["amsgrad"]:
+        return "amsgrad=True"
+    if group.get("decoupled_weight_decay", False):
+        return "decoupled_weight_decay=True"
+    return None
 
 
 def group_rates(optimizer, function_scales: Sequence[Tensor] | None = None) -> list[float]:
