@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -10,7 +11,7 @@ from torch import Tensor
 from ..gpytorch_compat import initialize_variational_distribution
 from ..linalg import all_finite, keep_freed_cpu_memory
 from ..models import CandidateBankGP, KernelSelectionGP
-from ..validation import check_positive_int
+from ..validation import check_positive_int, checks_target_values
 from .lean_candidate_bank import LeanCandidateBank
 from .lean_likelihood import LeanLikelihood
 from .lean_local_elbos import LeanLocalELBOs
@@ -103,15 +104,16 @@ class KernelSelectionStep:
         self.fallback_reason: str | None = reason
         r"""Why the step runs eagerly on GPyTorch's general path, or None when it runs the (compiled) lean path."""
         self._checked_signature: tuple | None = None
+        self._finiteness_suffices = not checks_target_values(model.likelihood)
         if reason is not None:
             if lean:
                 warn_fallback(reason, "the lean kernel-selection step", "on GPyTorch's general path")
             self._function = None
             return
         self.lean = LeanLocalELBOs(model)
+        ends = itertools.accumulate(len(group["params"]) for group in optimizer.param_groups)
         self._positions = [
-            list(range(start, start + len(group["params"])))
-            for start, group in zip(_starts(optimizer.param_groups), optimizer.param_groups)
+            list(range(end - len(group["params"]), end)) for end, group in zip(ends, optimizer.param_groups)
         ]
         self._update = optimizer_update(optimizer, self._positions)
         self._dynamic_batch = compile and batch_size_is_dynamic(compile_options)
@@ -185,10 +187,11 @@ class KernelSelectionStep:
         return x.shape == inducing_points.shape and bool(torch.equal(x, inducing_points))
 
     def _check(self, x: Tensor, y: Tensor) -> None:
-        """Validates the mini-batch before anything changes (in full where its types, shapes, dtypes or devices
-        changed, else that its entries are finite)."""
+        """Validates the mini-batch before anything changes, as :class:`~gpytorch_decoupled.training.TrainingStep`
+        does: in full where its types, shapes, dtypes or devices changed or the likelihood reads the targets' values
+        (labels), else that its entries are finite."""
         signature = _signature(x, y, self.model.candidates.variational_strategy.inducing_points)
-        if signature == self._checked_signature and all_finite(x, y):
+        if signature == self._checked_signature and self._finiteness_suffices and all_finite(x, y):
             return
         self.model._checked_data(x, y)
         if not self.num_data >= y.size(-1):
@@ -219,12 +222,3 @@ class KernelSelectionStep:
                 "definite even with the largest jitter); the parameters were updated with non-finite values."
             )
         return local_elbos
-
-
-def _starts(groups: list[dict]) -> list[int]:
-    """Where each parameter group starts in the list of all the optimizer's parameters."""
-    starts, start = [], 0
-    for group in groups:
-        starts.append(start)
-        start += len(group["params"])
-    return starts

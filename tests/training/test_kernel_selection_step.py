@@ -286,6 +286,20 @@ def test_bad_input_is_refused_before_any_change(bad, message, after_a_step):
     assert str(optimizer.state_dict()) == adam_state
 
 
+def test_labels_are_checked_in_full_after_a_step():
+    # a Bernoulli likelihood reads the targets' values: a repeated batch shape is not enough to skip the label check
+    x, y = _data()
+    labels = (y > 0).to(y.dtype)
+    model = _model(likelihood=gpytorch.likelihoods.BernoulliLikelihood())
+    step = KernelSelectionStep(model, _adam(model), N, compile=False)
+    step(x, labels)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="BernoulliLikelihood takes labels"):
+        step(x, torch.full_like(labels, 0.5))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]) or (value.isnan().all() and before[key].isnan().all()), key
+
+
 def test_num_data_below_the_batch_size_is_refused():
     x, y = _data()
     model = _model()
