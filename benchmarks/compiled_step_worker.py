@@ -6,6 +6,7 @@ in process CPU time and wall-clock time)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -138,9 +139,15 @@ def make_step(config: str, train_x, train_y, inducing, mean_inducing, likelihood
 def _lean_step(config: str, mll, optimizers, mode: str):
     from gpytorch_decoupled.training import TrainingStep
 
+    return _checked_step(config, mode, functools.partial(TrainingStep, mll, optimizers))
+
+
+def _checked_step(config: str, mode: str, make_step):
+    """``make_step(compile=..., **options)`` for ``mode`` (CUDA graphs for ``graphs``), refused where a lean or
+    compiled mode would fall back: it would time the eager step under the lean or compiled name."""
     options = {"mode": "reduce-overhead"} if mode == "graphs" else {}
-    step = TrainingStep(mll, optimizers, compile=mode in ("compiled", "graphs"), **options)
-    if step.fallback_reason is not None:  # it would time the eager step under the lean or compiled name
+    step = make_step(compile=mode in ("compiled", "graphs"), **options)
+    if mode != "eager" and step.fallback_reason is not None:
         raise RuntimeError(f"{config} does not take the lean path: {step.fallback_reason}")
     return step
 
@@ -157,12 +164,8 @@ def _kernel_selection_step(config: str, train_x, train_y, inducing, mode: str):
     model = KernelSelectionGP(space, inducing.clone(), ard_num_dims=train_x.size(-1)).to(train_x)
     parameters = [p for name, p in model.named_parameters() if not name.startswith("kernel_belief.")]
     adam = torch.optim.Adam(parameters, lr=0.01)
-    options = {"mode": "reduce-overhead"} if mode == "graphs" else {}
-    compile = mode in ("compiled", "graphs")
-    step = KernelSelectionStep(model, adam, train_y.numel(), compile=compile, lean=mode != "eager", **options)
-    if mode != "eager" and step.fallback_reason is not None:
-        raise RuntimeError(f"{config} does not take the lean path: {step.fallback_reason}")
-    return step
+    make_step = functools.partial(KernelSelectionStep, model, adam, train_y.numel(), lean=mode != "eager")
+    return _checked_step(config, mode, make_step)
 
 
 def run(config: str, data_path: str, seconds: float, warmup: int) -> dict:
